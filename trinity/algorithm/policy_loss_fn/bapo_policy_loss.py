@@ -63,9 +63,10 @@ def _checked_range(prefix: str, start, maximum, step, bound_ok, allowed: str, ca
     _require(start <= maximum, f"{prefix}_start", f"<= {prefix}_max ({maximum})", start)
     if start < maximum:
         _require(step > 0, f"{prefix}_step", "> 0 when the range is not a point", step)
-        count = (Decimal(repr(maximum)) - Decimal(repr(start))) / Decimal(repr(step))
+        steps = (Decimal(repr(maximum)) - Decimal(repr(start))) / Decimal(repr(step))
+        count = int(steps) + 1 + int(cap and steps != int(steps))  # the capped max adds one
         _require(
-            count < MAX_CANDIDATES,
+            count <= MAX_CANDIDATES,
             f"{prefix}_step",
             f"large enough for at most {MAX_CANDIDATES} candidates in [{start}, {maximum}]",
             step,

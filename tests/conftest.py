@@ -1,0 +1,8 @@
+"""Make the shared oracle (tests/bapo_reference.py) importable under any pytest import mode."""
+
+import sys
+from pathlib import Path
+
+_TESTS_DIR = str(Path(__file__).resolve().parent)
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)

@@ -1,0 +1,291 @@
+"""BAPO's bound search against independent oracles (single process).
+
+- Random cases: the search inside ``BAPOPolicyLossFn`` must choose the same pair, take the
+  same number of steps and report the same rho as the literal transcription in
+  ``bapo_reference`` (Algorithm 1 for ``upper_first``, the authors' loops for ``lower_first``).
+- The paper grid: exact end points and step count, and the float trap it avoids.
+- ``contribution="gradient"``: the per-candidate sums equal |dL/dlogp| from autograd on a
+  per-token loss written here from the notes, not taken from the code under test.
+"""
+
+import math
+import random
+from collections import Counter
+from decimal import Decimal
+
+import bapo_reference as ref
+import pytest
+import torch
+
+from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
+from trinity.algorithm.policy_loss_fn.bapo_search import BoundSearch, candidate_grid
+
+ORACLES = {"upper_first": ref.algorithm1, "lower_first": ref.authors_order}
+LOWER_STEPS = (0.01, 0.02, 0.025, 0.03, 0.04, 0.05, 0.07, 0.1, 0.15, 0.2)
+UPPER_STEPS = (0.03, 0.05, 0.07, 0.1, 0.2, 0.25, 0.3, 0.5)
+CASES_PER_COMBO = 50  # 4 combos -> 200 random cases in all
+
+
+# --------------------------------------------------------------------------- random cases
+
+
+def _random_tokens(rng: random.Random, gen: torch.Generator):
+    """A float64 batch whose ratios spread over the candidate ranges.
+
+    A few tokens have a log-ratio of exactly 0 (ratio exactly 1.0, which can sit on a
+    candidate) and a few are beyond the +-20 clamp, so boundary and clamp handling are
+    exercised against the oracle too.
+    """
+    n_seq, seq_len = rng.randint(2, 6), rng.randint(25, 50)
+    shape = (n_seq, seq_len)
+    old = -torch.rand(shape, generator=gen, dtype=torch.float64) * 5 - 0.01
+    sigma, mu = rng.uniform(0.1, 1.0), rng.uniform(-0.3, 0.3)
+    log_ratio = mu + sigma * torch.randn(shape, generator=gen, dtype=torch.float64)
+    pick = torch.rand(shape, generator=gen)
+    log_ratio = torch.where(pick < 0.03, torch.zeros_like(log_ratio), log_ratio)
+    extreme = 25.0 * torch.sign(torch.randn(shape, generator=gen, dtype=torch.float64))
+    log_ratio = torch.where(pick > 0.99, extreme, log_ratio)
+    logprob = old + log_ratio
+    logprob = torch.where(log_ratio == 0, old, logprob)  # exactly equal -> ratio exactly 1
+
+    pos_frac = rng.choice([0.0, 1.0] + [rng.uniform(0.1, 0.9)] * 8)
+    sign = torch.where(torch.rand(shape, generator=gen) < pos_frac, 1.0, -1.0).double()
+    magnitude = torch.exp(0.5 * torch.randn(shape, generator=gen, dtype=torch.float64))
+    advantages = sign * magnitude
+    advantages[torch.rand(shape, generator=gen) < 0.05] = 0.0
+
+    lengths = torch.randint(0, seq_len + 1, (n_seq,), generator=gen)
+    lengths[0] = max(int(lengths[0]), 5)  # at least a few live tokens
+    mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).float()
+    return logprob, old, mask, advantages
+
+
+def _random_range(rng, start, span, cap, steps):
+    """(start, max, step) with two-decimal bounds, so that repr() gives the written value.
+
+    Some ranges are points; steps come from a list, so some divide the span and some do not.
+    """
+    if rng.random() < 0.15:
+        return start, start, rng.choice(steps)
+    return start, round(rng.uniform(start, min(start + span, cap)), 2), rng.choice(steps)
+
+
+def _divides(start, maximum, step) -> bool:
+    span = Decimal(repr(maximum)) - Decimal(repr(start))
+    return span % Decimal(repr(step)) == 0
+
+
+def _draw_target(rng, corners):
+    """A target in [0, 1] around the corner shares, never a float hair away from one of them.
+
+    A target equal to a share is a tie that summation order alone decides (the oracle adds
+    token by token, the code by prefix sums), so such draws are redrawn.
+    """
+    while True:
+        if rng.random() < 0.5:
+            target = rng.uniform(min(corners) - 0.05, max(corners) + 0.05)
+        else:  # above the start: the search has to move
+            target = rng.uniform(corners[0], max(corners))
+        target = min(1.0, max(0.0, target))
+        if all(abs(target - c) > 1e-9 for c in corners) or target in (0.0, 1.0):
+            return target
+
+
+def _run_case(rng, gen, order, contribution):
+    """One random case: returns (what the code chose, what the oracle chose, description)."""
+    logprob, old, mask, adv = _random_tokens(rng, gen)
+    lo = _random_range(rng, round(rng.uniform(0.2, 1.0), 2), 0.8, 1.0, LOWER_STEPS)
+    a_hi = 1.0 if rng.random() < 0.25 else round(rng.uniform(1.0, 2.0), 2)
+    hi = _random_range(rng, a_hi, 2.0, math.inf, UPPER_STEPS)
+    clip_ratio_c = rng.choice([3.0, 3.0, None, 2.0])
+
+    tokens = ref.token_lists(logprob, old, mask, adv)
+    # rho is monotone in each bound, so its range over the box is spanned by the corners.
+    # Targets drawn over (and a little past) that span give a mix of outcomes: met at once,
+    # met mid-path, never met.
+    corners = [ref.rho(tokens, c_lo, c_hi, contribution, clip_ratio_c)
+               for c_lo in lo[:2] for c_hi in hi[:2]]  # fmt: skip
+    target = _draw_target(rng, corners)
+
+    c_low, c_high, steps = ORACLES[order](
+        tokens, *lo, *hi, target, contribution, clip_ratio_c=clip_ratio_c
+    )
+    expected_rho = ref.rho(tokens, c_low, c_high, contribution, clip_ratio_c)
+    expected = dict(clip_low=c_low, clip_high=c_high, steps=steps, rho=expected_rho,
+                    met=expected_rho >= target)  # fmt: skip
+
+    fn = BAPOPolicyLossFn(
+        ratio_lower_start=lo[0], ratio_lower_max=lo[1], ratio_lower_step=lo[2],
+        ratio_upper_start=hi[0], ratio_upper_max=hi[1], ratio_upper_step=hi[2],
+        positive_contribution_target=target, search_order=order, contribution=contribution,
+        clip_ratio_c=clip_ratio_c,
+    )  # fmt: skip
+    _, m = fn(logprob=logprob, old_logprob=old, action_mask=mask, advantages=adv)
+    got = dict(clip_low=m["bapo_clip_low"], clip_high=m["bapo_clip_high"],
+               steps=m["bapo_search_steps"], rho=m["bapo_positive_contribution"],
+               met=bool(m["bapo_target_met"]))  # fmt: skip
+    on_edge = any(r in (lo[0], lo[1], hi[0], hi[1]) for r, a in tokens if a != 0)
+    info = dict(lower=lo, upper=hi, target=target, clip_ratio_c=clip_ratio_c, n=len(tokens),
+                ratio_on_a_bound=on_edge)  # fmt: skip
+    return got, expected, info
+
+
+def _tally(outcomes: Counter, shapes: Counter, expected, info) -> None:
+    """Count what kind of case this was, so the test can show that every kind occurred."""
+    moved_low = expected["clip_low"] > info["lower"][0]
+    if expected["met"]:
+        outcomes["met_at_start" if expected["steps"] == 0 else "met_mid_path"] += 1
+    else:
+        outcomes["never_met"] += 1
+    outcomes["c_low_moved"] += moved_low
+    outcomes["c_high_moved"] += expected["clip_high"] > info["upper"][0]
+    outcomes["met_after_c_low_moved"] += expected["met"] and moved_low
+    shapes["ratio_on_a_bound"] += info["ratio_on_a_bound"]  # r == 1.0 == a bound: a tie
+    for name, (start, maximum, step) in (("lower", info["lower"]), ("upper", info["upper"])):
+        if start == maximum:
+            shapes[f"{name}_point"] += 1
+        else:
+            shapes[f"{name}_divides" if _divides(start, maximum, step) else f"{name}_odd"] += 1
+
+
+@pytest.mark.parametrize("contribution", ["surrogate", "gradient"])
+@pytest.mark.parametrize("order", ["upper_first", "lower_first"])
+def test_search_matches_literal_transcription(order, contribution):
+    seed = {"upper_first": 100, "lower_first": 200}[order] + len(contribution)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    outcomes, shapes = Counter(), Counter()
+    for case in range(CASES_PER_COMBO):
+        got, expected, info = _run_case(rng, gen, order, contribution)
+        where = f"case {case}: {info}"
+        assert got["clip_low"] == expected["clip_low"], where
+        assert got["clip_high"] == expected["clip_high"], where
+        assert got["steps"] == expected["steps"], where
+        assert got["rho"] == pytest.approx(expected["rho"], rel=1e-12, abs=1e-15), where
+        assert got["met"] == expected["met"], where
+        _tally(outcomes, shapes, expected, info)
+    # Not vacuous: every kind of outcome and of range occurred.
+    for kind in ("met_at_start", "met_mid_path", "never_met", "c_low_moved", "c_high_moved"):
+        assert outcomes[kind] >= 3, outcomes
+    for kind in ("point", "divides", "odd"):
+        assert shapes[f"lower_{kind}"] >= 2 and shapes[f"upper_{kind}"] >= 2, shapes
+    assert shapes["ratio_on_a_bound"] >= 3, shapes
+    if contribution == "gradient":  # raising c_low raises rho only under this definition
+        assert outcomes["met_after_c_low_moved"] >= 3, outcomes
+    elif order == "upper_first":  # Eq. 8: raising c_low lowers rho, so that phase never helps
+        assert outcomes["met_after_c_low_moved"] == 0, outcomes
+
+
+# --------------------------------------------------------------------------- paper grid
+
+
+def test_naive_float_loop_misses_the_last_lower_bound():
+    """The motivating trap: stepping a float by 0.02 from 0.6 stops short of 0.9."""
+    c = 0.6
+    while c + 0.02 <= 0.9:
+        c += 0.02
+    assert c < 0.89  # 0.8800000000000002: the naive loop never reaches 0.9
+    grid = candidate_grid(0.6, 0.9, 0.02, cap_at_max=False)
+    assert grid[-1] == 0.9 and len(grid) == 16
+    assert grid == [float(Decimal("0.6") + k * Decimal("0.02")) for k in range(16)]
+    # Capping adds nothing when the maximum is on the grid.
+    assert candidate_grid(0.6, 0.9, 0.02, cap_at_max=True) == grid
+
+
+def test_candidate_grid_never_overshoots_and_caps_only_when_asked():
+    assert candidate_grid(0.6, 0.9, 0.07, cap_at_max=False) == [0.6, 0.67, 0.74, 0.81, 0.88]
+    assert candidate_grid(0.6, 0.9, 0.07, cap_at_max=True) == [0.6, 0.67, 0.74, 0.81, 0.88, 0.9]
+    assert candidate_grid(1.2, 3.0, 0.05, cap_at_max=False)[-1] == 3.0
+    assert len(candidate_grid(1.2, 3.0, 0.05, cap_at_max=False)) == 37
+    assert candidate_grid(0.8, 0.8, 0.05, cap_at_max=True) == [0.8]
+
+
+def _hopeless_batch():
+    """Negative tokens dominate: rho stays far below 0.4 on the whole grid."""
+    gen = torch.Generator().manual_seed(7)
+    old = -torch.rand(4, 32, generator=gen) - 0.5
+    logprob = old + 0.05 * torch.randn(4, 32, generator=gen)
+    adv = -torch.rand(4, 32, generator=gen) - 0.5
+    adv[0, 0] = 0.01  # one small positive token: rho > 0 but tiny
+    return logprob, old, torch.ones(4, 32), adv
+
+
+@pytest.mark.parametrize("order", ["upper_first", "lower_first"])
+@pytest.mark.parametrize("contribution", ["surrogate", "gradient"])
+def test_paper_grid_reaches_exact_maxima_in_51_steps(order, contribution):
+    logprob, old, mask, adv = _hopeless_batch()
+    fn = BAPOPolicyLossFn(search_order=order, contribution=contribution)  # paper Sec. 5.1 grid
+    _, m = fn(logprob=logprob, old_logprob=old, action_mask=mask, advantages=adv)
+    assert m["bapo_clip_low"] == 0.9  # exactly, not 0.88 or 0.8999...
+    assert m["bapo_clip_high"] == 3.0
+    assert m["bapo_search_steps"] == 36 + 15 == 51
+    assert m["bapo_target_met"] == 0.0
+    assert 0.0 < m["bapo_positive_contribution"] < 0.4
+
+
+# --------------------------------------------------------------------------- gradient sums
+
+
+def _per_token_loss(ratio, adv, c_low, c_high, clip_ratio_c):
+    """L_t from the notes: -min(r A, clip(r) A), dual clip min(L, -A C) for A < 0."""
+    loss = -torch.minimum(ratio * adv, torch.clamp(ratio, c_low, c_high) * adv)
+    if clip_ratio_c is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -adv * clip_ratio_c), loss)
+    return loss
+
+
+def _autograd_contributions(logprob, old, mask, adv, c_low, c_high, clip_ratio_c):
+    """(P, N): |dL_t/dlogp_t| summed over unmasked tokens with A > 0 and with A < 0."""
+    lp = logprob.clone().requires_grad_(True)
+    ratio = torch.exp(lp - old)
+    loss = _per_token_loss(ratio, adv, c_low, c_high, clip_ratio_c)
+    (grad,) = torch.autograd.grad(loss.sum(), lp)
+    weight = grad.abs() * mask
+    return float(weight[adv > 0].sum()), float(weight[adv < 0].sum())
+
+
+@pytest.mark.parametrize("clip_ratio_c", [3.0, 1.7, None])
+def test_gradient_contribution_equals_autograd(clip_ratio_c):
+    gen = torch.Generator().manual_seed(11)
+    shape = (6, 40)
+    old = -torch.rand(shape, generator=gen, dtype=torch.float64) * 3 - 0.1
+    logprob = old + 0.8 * torch.randn(shape, generator=gen, dtype=torch.float64)
+    adv = torch.randn(shape, generator=gen, dtype=torch.float64)
+    mask = (torch.rand(shape, generator=gen) < 0.8).double()
+    lower, upper = [0.5, 0.6, 0.75, 0.9, 1.0], [1.0, 1.2, 1.6, 2.5, 3.0, 4.0]
+
+    ratio = torch.exp(logprob - old)
+    edges = torch.tensor(lower + upper + [clip_ratio_c or 1.0], dtype=torch.float64)
+    assert (ratio.reshape(-1, 1) - edges).abs().min() > 1e-9  # no exact ties with any bound
+    assert (adv != 0).all()
+    assert ratio.max() > 4.0 and ratio.min() < 0.5  # every candidate splits the tokens
+
+    search = BoundSearch(lower, upper, 0.4, "upper_first", "gradient", clip_ratio_c)
+    sums = search.local_sums(ratio, adv, mask.bool(), torch.ones(shape, dtype=torch.bool))
+    positive, negative = sums[: len(upper)], sums[len(upper) : -1]
+    assert sums[-1] == 0
+    for i, c_low in enumerate(lower):
+        for j, c_high in enumerate(upper):
+            p, n = _autograd_contributions(logprob, old, mask, adv, c_low, c_high, clip_ratio_c)
+            assert positive[j].item() == pytest.approx(p, rel=1e-10), (c_low, c_high)
+            assert negative[i].item() == pytest.approx(n, rel=1e-10), (c_low, c_high)
+
+
+def test_surrogate_contribution_equals_eq8():
+    """The printed Eq. 8: P = sum A min(r, c_high) over A > 0, N = sum |A| max(r, c_low)."""
+    gen = torch.Generator().manual_seed(12)
+    shape = (5, 30)
+    ratio = torch.exp(0.7 * torch.randn(shape, generator=gen, dtype=torch.float64))
+    adv = torch.randn(shape, generator=gen, dtype=torch.float64)
+    mask = torch.rand(shape, generator=gen) < 0.7
+    lower, upper = [0.6, 0.8, 1.0], [1.0, 1.3, 2.0, 3.0]
+    search = BoundSearch(lower, upper, 0.4, "lower_first", "surrogate", 3.0)
+    sums = search.local_sums(ratio, adv, mask, torch.ones(shape, dtype=torch.bool))
+    live_pos, live_neg = mask & (adv > 0), mask & (adv < 0)
+    for j, c_high in enumerate(upper):
+        p = (adv * torch.clamp(ratio, max=c_high))[live_pos].sum().item()
+        assert sums[j].item() == pytest.approx(p, rel=1e-12)
+    for i, c_low in enumerate(lower):
+        n = (-adv * torch.clamp(ratio, min=c_low))[live_neg].sum().item()
+        assert sums[len(upper) + i].item() == pytest.approx(n, rel=1e-12)
+    assert math.isclose(sums[-1].item(), 0.0)
