@@ -144,9 +144,12 @@ class BAPOPolicyLossFn(PolicyLossFn):
                 f"{tuple(action_mask.shape)}, {tuple(advantages.shape)}"
             )
         mask = action_mask.bool()
-        log_ratio = torch.clamp(logprob - old_logprob, min=-20.0, max=20.0)
+        raw_log_ratio = logprob - old_logprob
+        log_ratio = torch.clamp(raw_log_ratio, min=-20.0, max=20.0)
         ratio = torch.exp(log_ratio)
-        finite = logprob.isfinite() & old_logprob.isfinite() & advantages.isfinite()
+        # One test covers all three inputs: NaN and +-inf survive the sum (inf - inf is NaN),
+        # while the clamp above would hide an infinite log-prob inside a finite ratio.
+        finite = torch.isfinite(raw_log_ratio.detach() + advantages)
 
         sums = self.search.local_sums(ratio, advantages, mask, finite)
         reduce_contribution_sums(sums, dp_group, self.sync_across_dp)

@@ -59,17 +59,8 @@ def positive_share(positive: float, negative: float) -> float:
     return 1.0 if total == 0 else positive / total
 
 
-def _bin_sums(
-    ratio: torch.Tensor, weights: torch.Tensor, edges: torch.Tensor, right: bool
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per edge e_k, the weight columns summed over tokens on each side of e_k.
-
-    With ``right=True`` the sides are ``r < e_k`` and ``r >= e_k``; with ``right=False`` they
-    are ``r <= e_k`` and ``r > e_k``. One histogram over the edges plus prefix sums gives every
-    edge at once.
-    """
-    index = torch.searchsorted(edges, ratio, right=right)
-    hist = weights.new_zeros(edges.numel() + 1, weights.shape[1]).index_add_(0, index, weights)
+def _split_sums(hist: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """For bins h_0..h_K, per edge k the totals of bins <= k and of bins > k."""
     below = hist.cumsum(0)[:-1]
     above = hist.flip(0).cumsum(0).flip(0)[1:]
     return below, above
@@ -92,6 +83,9 @@ class BoundSearch:
         self.search_order = search_order
         self.contribution = contribution
         self.clip_ratio_c = clip_ratio_c
+        signed = [-c for c in reversed(lower)] + [0.0] + list(upper)
+        self._edges = torch.tensor(signed, dtype=torch.float64)
+        self._lower_values = torch.tensor(lower, dtype=torch.float64)
 
     @property
     def num_sums(self) -> int:
@@ -109,33 +103,44 @@ class BoundSearch:
         ``ratio`` is detached; ``finite`` marks tokens whose inputs are all finite. Masked and
         non-finite tokens get zero weight (``where``, not a product, so NaN cannot leak in).
         Nothing here waits on the device, so it costs no host sync.
+
+        Every token falls in one bin of a signed axis ``x = copysign(r, A)`` cut at
+        ``[-b-, ..., -a-, 0, a+, ..., b+]``: a positive token is placed among the upper
+        candidates, a negative one (at ``-r``) among the lower ones, and the edge at 0 keeps
+        the two sides apart. One search and two 1-D histograms then serve both sides, and
+        prefix sums over the small histograms give every candidate at once.
         """
-        r = ratio.detach().reshape(-1).to(torch.float64)
-        adv = advantages.detach().reshape(-1).to(torch.float64)
-        valid = (mask.reshape(-1) & finite.reshape(-1)).bool()
-        zero = r.new_zeros(())
-        pos = torch.where(valid & (adv > 0), adv, zero)  # A on positive tokens
-        neg = torch.where(valid & (adv < 0), -adv, zero)  # |A| on negative tokens
-        r = torch.where(valid, r, zero)
-        upper = torch.tensor(self.upper, dtype=torch.float64, device=r.device)
-        lower = torch.tensor(self.lower, dtype=torch.float64, device=r.device)
-
-        # P(c_high): tokens with r < c_high keep weight A * r; the rest are clipped to c_high.
-        below, above = _bin_sums(r, torch.stack([pos * r, pos], 1), upper, right=True)
-        positive = below[:, 0]
-        if self.contribution == "surrogate":
-            positive = positive + upper * above[:, 1]
-
-        # N(c_low): tokens with r > c_low keep weight |A| * r; the rest are clipped to c_low.
-        neg_grad = neg * r
+        mask, finite = mask.reshape(-1).bool(), finite.reshape(-1)
+        valid = mask & finite
+        adv = advantages.detach().reshape(-1)
+        r = torch.where(valid, ratio.detach().reshape(-1), 0.0).to(torch.float64)
+        x = torch.copysign(r, adv)
+        weight = torch.where(valid, adv.abs(), 0.0).to(torch.float64)  # |A|
+        weight_r = weight * r  # |A| r
         if self.contribution == "gradient" and self.clip_ratio_c is not None:
-            neg_grad = torch.where(r <= self.clip_ratio_c, neg_grad, zero)  # dual clip: no grad
-        below, above = _bin_sums(r, torch.stack([neg_grad, neg], 1), lower, right=False)
-        negative = above[:, 0]
-        if self.contribution == "surrogate":
-            negative = negative + lower * below[:, 1]
+            weight_r = torch.where(x < -self.clip_ratio_c, 0.0, weight_r)  # dual clip: no grad
+        edges = self._edges.to(x.device)
+        bins = torch.searchsorted(edges, x, right=True)  # number of edges <= x
+        hist_r = weight.new_zeros(edges.numel() + 1).index_add_(0, bins, weight_r)
+        hist_a = weight.new_zeros(edges.numel() + 1).index_add_(0, bins, weight)
+        n_low = len(self.lower)
 
-        nonfinite = (mask.reshape(-1).bool() & ~finite.reshape(-1)).sum().to(torch.float64)
+        # A > 0 sits in bin n_low + 1 + #{c_high <= r}. Tokens with r < c_high keep A * r;
+        # under Eq. 8 the others count at c_high.
+        below_r, _ = _split_sums(hist_r[n_low + 1 :])
+        _, above_a = _split_sums(hist_a[n_low + 1 :])
+        positive = below_r
+        if self.contribution == "surrogate":
+            positive = positive + edges[n_low + 1 :] * above_a
+
+        # A < 0 sits in bin n_low - #{c_low < r}; flipped, bin k holds #{c_low < r} = k.
+        # Tokens with r > c_low keep |A| r; under Eq. 8 the others count at c_low.
+        _, negative = _split_sums(hist_r[: n_low + 1].flip(0))
+        if self.contribution == "surrogate":
+            below_a, _ = _split_sums(hist_a[: n_low + 1].flip(0))
+            negative = negative + self._lower_values.to(x.device) * below_a
+
+        nonfinite = (mask & ~finite).sum().to(torch.float64)
         return torch.cat([positive, negative, nonfinite.reshape(1)])
 
     def decide(self, sums: torch.Tensor) -> SearchResult:
