@@ -1,0 +1,103 @@
+"""The tiny causal LM, its sampler, and the forward pass the loss sees.
+
+The model is a 2-layer Llama built from a config in code (random init, no download). Sampling
+and training both run plain padded forwards; the training forward then packs its per-token
+log-probs into the jagged layout verl's engine produces (one row per sequence, prompt and
+response together, entry j = log p(token j+1 | tokens <= j)), so the loss unpacks them with
+verl's own ``no_padding_2_padding``.
+"""
+
+from typing import Tuple
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from demo.task import EOS, PAD, PROMPT_WIDTH, RESPONSE_LEN, VOCAB_SIZE
+
+
+def build_model(seed: int) -> LlamaForCausalLM:
+    """A fresh random 2-layer Llama; the same ``seed`` gives the same weights."""
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=PROMPT_WIDTH + RESPONSE_LEN,
+        pad_token_id=PAD,
+        bos_token_id=None,
+        eos_token_id=EOS,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count only real tokens, so left padding does not shift them."""
+    return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
+def logits_for(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_for(attention_mask),
+        use_cache=False,
+    )
+    return out.logits.float()
+
+
+@torch.no_grad()
+def sample_responses(
+    model, prompts: torch.Tensor, prompt_mask: torch.Tensor, generator: torch.Generator
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample up to RESPONSE_LEN tokens per row at temperature 1.
+
+    Returns right-padded ``responses``, ``response_mask`` and the log-prob of each sampled
+    token (what an inference engine would report); a response ends with (and includes) its
+    first EOS. Finished rows keep being fed PAD tokens that are masked out.
+    """
+    batch = prompts.shape[0]
+    ids, mask = prompts, prompt_mask
+    responses = torch.full((batch, RESPONSE_LEN), PAD, dtype=torch.long)
+    response_mask = torch.zeros((batch, RESPONSE_LEN), dtype=torch.long)
+    sampled_lp = torch.zeros((batch, RESPONSE_LEN))
+    alive = torch.ones(batch, dtype=torch.bool)
+    for t in range(RESPONSE_LEN):
+        log_probs = F.log_softmax(logits_for(model, ids, mask)[:, -1], dim=-1)
+        token = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(1)
+        sampled_lp[:, t] = log_probs.gather(1, token[:, None]).squeeze(1) * alive
+        token = torch.where(alive, token, torch.full_like(token, PAD))
+        responses[:, t] = token
+        response_mask[:, t] = alive.long()
+        ids = torch.cat([ids, token[:, None]], dim=1)
+        mask = torch.cat([mask, alive.long()[:, None]], dim=1)
+        alive = alive & (token != EOS)
+    return responses, response_mask, sampled_lp
+
+
+def packed_log_probs(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, offsets: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Next-token log-probs in verl's jagged layout, plus per-position entropies (padded).
+
+    ``offsets`` are the cumulative lengths of the real tokens (the engine's cu_seqlens). The
+    last real position of each row has no next token; it gets 0, and verl never reads it.
+    """
+    logits = logits_for(model, input_ids, attention_mask)
+    log_softmax = F.log_softmax(logits, dim=-1)
+    next_ids = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
+    next_lp = log_softmax.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)
+    last_real = attention_mask.bool() & ~torch.cat(
+        [attention_mask[:, 1:].bool(), torch.zeros_like(attention_mask[:, :1], dtype=torch.bool)],
+        dim=1,
+    )
+    next_lp = next_lp.masked_fill(last_real, 0.0)
+    values = next_lp[attention_mask.bool()]  # row-major: rows one after another
+    nested = torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    return nested, entropy
