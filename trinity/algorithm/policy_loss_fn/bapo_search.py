@@ -66,52 +66,6 @@ def _split_sums(hist: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return below, above
 
 
-class EdgeCounter:
-    """``count_at_or_below(x)`` = number of edges <= x per token, exactly as
-    ``torch.searchsorted(edges, x, right=True)`` but about twice as fast on CPU.
-
-    The binary search dominated the search's profile. Edges here sit on one or two regular
-    grids, so a table over cells no wider than half the smallest gap (at most one edge per
-    cell) gives each token's count from its cell; one comparison each way with the
-    neighbouring edges then corrects a token that rounding put in the next cell. Grids whose
-    smallest gap would need a huge table (a capped last step just past the grid) fall back
-    to the binary search.
-    """
-
-    MAX_CELLS = 1 << 16
-
-    def __init__(self, edges: List[float]):
-        self.edges = torch.tensor(edges, dtype=torch.float64)
-        self.num_bins = len(edges) + 1
-        self.width = min(b - a for a, b in zip(edges, edges[1:])) / 2
-        self.origin = edges[0] - self.width
-        self.cells = int((edges[-1] - self.origin) / self.width) + 3
-        self._tables = {}
-
-    def _on(self, device):
-        """(cell counts, edge above each count, edge below each count) on ``device``."""
-        if device not in self._tables:
-            left = torch.arange(self.cells, dtype=torch.float64) * self.width + self.origin
-            inf = torch.tensor([float("inf")], dtype=torch.float64)
-            tables = (
-                torch.searchsorted(self.edges, left, right=True),
-                torch.cat([self.edges, inf]),
-                torch.cat([-inf, self.edges]),
-            )
-            self._tables[device] = tuple(t.to(device) for t in tables)
-        return self._tables[device]
-
-    def count_at_or_below(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cells > self.MAX_CELLS:
-            return torch.searchsorted(self.edges.to(x.device), x, right=True)
-        counts, next_edge, prev_edge = self._on(x.device)
-        cell = (x - self.origin).mul_(1.0 / self.width).floor_().clamp_(0, self.cells - 1)
-        count = counts.index_select(0, cell.long())
-        count.add_(x >= next_edge.index_select(0, count))  # an edge <= x not yet counted
-        count.sub_((x < prev_edge.index_select(0, count)).long())  # an edge > x counted
-        return count
-
-
 class BoundSearch:
     """Candidate grids and the two search steps for one set of BAPO hyper-parameters."""
 
@@ -129,7 +83,8 @@ class BoundSearch:
         self.search_order = search_order
         self.contribution = contribution
         self.clip_ratio_c = clip_ratio_c
-        self._edges = EdgeCounter([-c for c in reversed(lower)] + [0.0] + list(upper))
+        signed = [-c for c in reversed(lower)] + [0.0] + list(upper)
+        self._edges = torch.tensor(signed, dtype=torch.float64)
         self._upper_values = torch.tensor(upper, dtype=torch.float64)
         self._lower_values = torch.tensor(lower, dtype=torch.float64)
 
@@ -143,7 +98,7 @@ class BoundSearch:
         """[P per upper candidate | N per lower candidate | non-finite token count], float64.
 
         ``ratio`` is detached; ``finite`` marks tokens whose inputs are all finite. Masked and
-        non-finite tokens get zero weight (``where``, not a product, so NaN cannot leak in).
+        non-finite tokens get zero weight (filled, not multiplied, so NaN cannot leak in).
         Nothing here waits on the device, so it costs no host sync.
 
         Every token falls in one bin of a signed axis ``x = copysign(r, A)`` cut at
@@ -153,17 +108,20 @@ class BoundSearch:
         prefix sums over the small histograms give every candidate at once.
         """
         mask, finite = mask.reshape(-1).bool(), finite.reshape(-1)
-        valid = mask & finite
+        excluded = ~(mask & finite)
         adv = advantages.detach().reshape(-1)
-        r = torch.where(valid, ratio.detach().reshape(-1), 0.0).to(torch.float64)
+        # In-place steps on few buffers: on CPU each fresh token-sized buffer costs page
+        # faults that outweigh the arithmetic. Copies, so float64 inputs are never aliased.
+        r = ratio.detach().reshape(-1).to(torch.float64, copy=True).masked_fill_(excluded, 0.0)
         x = torch.copysign(r, adv)
-        weight = torch.where(valid, adv.abs(), 0.0).to(torch.float64)  # |A|
-        weight_r = weight * r  # |A| r
+        weight = adv.to(torch.float64, copy=True).abs_().masked_fill_(excluded, 0.0)  # |A|
+        edges = self._edges.to(x.device)
+        bins = torch.searchsorted(edges, x, right=True)  # number of edges <= x
+        weight_r = r.mul_(weight)  # |A| r, reusing r's buffer
         if self.contribution == "gradient" and self.clip_ratio_c is not None:
-            weight_r = torch.where(x < -self.clip_ratio_c, 0.0, weight_r)  # dual clip: no grad
-        bins = self._edges.count_at_or_below(x)
-        hist_r = weight.new_zeros(self._edges.num_bins).index_add_(0, bins, weight_r)
-        hist_a = weight.new_zeros(self._edges.num_bins).index_add_(0, bins, weight)
+            weight_r.masked_fill_(x < -self.clip_ratio_c, 0.0)  # dual clip: A < 0 has no grad
+        hist_r = weight.new_zeros(edges.numel() + 1).index_add_(0, bins, weight_r)
+        hist_a = weight.new_zeros(edges.numel() + 1).index_add_(0, bins, weight)
         n_low = len(self.lower)
 
         # A > 0 sits in bin n_low + 1 + #{c_high <= r}. Tokens with r < c_high keep A * r;
