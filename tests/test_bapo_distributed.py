@@ -264,17 +264,22 @@ def test_cases_discriminate_synced_from_local(world):
 # --------------------------------------------------------------------------- synced choice
 
 
-@with_backend
-@pytest.mark.parametrize("world", WORLDS)
-def test_every_rank_chooses_the_union_pair(launches, world, backend):
-    """BAPOPolicyLossFn with dp_group=WORLD: all cases x configs against the union oracle."""
-    result = launches.check(world, backend, "oracle")
+def union_problems(result, prefix=""):
+    """Every case x config of one check, each rank's metrics against the union oracle."""
     problems = []
     for case in common.CASES:
         datas = [rank_result[case]["data"] for rank_result in result]
         for name in common.CONFIGS:
             metrics = [rank_result[case]["runs"][name]["metrics"] for rank_result in result]
-            problems += [f"{case}: {p}" for p in compare_to_union(metrics, datas, name)]
+            problems += [f"{case}: {p}" for p in compare_to_union(metrics, datas, name, prefix)]
+    return problems
+
+
+@with_backend
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_rank_chooses_the_union_pair(launches, world, backend):
+    """BAPOPolicyLossFn with dp_group=WORLD: all cases x configs against the union oracle."""
+    problems = union_problems(launches.check(world, backend, "oracle"))
     assert not problems, "\n".join(problems)
 
 
@@ -282,13 +287,7 @@ def test_every_rank_chooses_the_union_pair(launches, world, backend):
 @pytest.mark.parametrize("world", WORLDS)
 def test_trinity_policy_loss_forwards_the_group(launches, world, backend):
     """TrinityPolicyLoss on the engine's (model_output, data) layout, group forwarded."""
-    result = launches.check(world, backend, "trinity")
-    problems = []
-    for case in common.CASES:
-        datas = [rank_result[case]["data"] for rank_result in result]
-        for name in common.CONFIGS:
-            metrics = [rank_result[case]["runs"][name]["metrics"] for rank_result in result]
-            problems += [f"{case}: {p}" for p in compare_to_union(metrics, datas, name, "actor/")]
+    problems = union_problems(launches.check(world, backend, "trinity"), "actor/")
     assert not problems, "\n".join(problems)
 
 
