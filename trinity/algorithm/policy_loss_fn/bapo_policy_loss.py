@@ -75,6 +75,8 @@ def _checked_range(prefix: str, start, maximum, step, bound_ok, allowed: str, ca
 
 
 class BAPOPolicyLossFn(PolicyLossFn):
+    """PPO-clip loss whose ratio bounds are searched per call (registered as ``bapo``)."""
+
     def __init__(
         self,
         backend: str = "verl",
