@@ -302,3 +302,21 @@ def test_local_sums_leave_float64_inputs_untouched():
     fn = BAPOPolicyLossFn(contribution="gradient")
     fn.search.local_sums(ratio, adv, mask, torch.ones_like(mask))
     assert torch.equal(ratio, ratio_before) and torch.equal(adv, adv_before)
+
+
+def test_half_precision_ratio_that_underflows_stays_on_its_side():
+    """In float16, exp(-18) underflows to 0; copysign(0, A < 0) is -0.0, which the signed
+    axis would file with the positive tokens. The token must still count in N at c_low."""
+    logprob = torch.tensor([[-1.0, -19.0, -1.2]])
+    old = torch.full_like(logprob, -1.0)
+    adv = torch.tensor([[1.0, -1.0, -0.2]])
+    mask = torch.ones_like(logprob, dtype=torch.bool)
+    fn = BAPOPolicyLossFn(
+        ratio_lower_start=0.6, ratio_lower_max=0.6, ratio_upper_start=1.2, ratio_upper_max=1.2
+    )
+    tokens = ref.token_lists(logprob.double(), old.double(), mask, adv.double())
+    want = ref.rho(tokens, 0.6, 1.2, "surrogate")
+    half = [t.half() for t in (logprob, old, adv)]
+    assert torch.exp(half[0] - half[1])[0, 1] == 0  # the case really underflows
+    _, metrics = fn(logprob=half[0], old_logprob=half[1], action_mask=mask, advantages=half[2])
+    assert metrics["bapo_positive_contribution"] == pytest.approx(want, rel=1e-3)

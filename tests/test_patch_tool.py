@@ -54,7 +54,7 @@ def plain_patch(root: Path, reverse: bool) -> None:
     for name in names:
         subprocess.run(["patch", "-p1", "-s", "--batch", "--no-backup-if-mismatch",
                         *(["-R"] if reverse else []), "-d", str(root), "-i", str(PATCHES / name)],
-                       check=True)
+                       check=True, timeout=60)
 
 
 def package_files(site: Path) -> list[str]:

@@ -37,7 +37,7 @@ PPO_CLIP_LOW, PPO_CLIP_HIGH = 0.2, 0.28  # PPOPolicyLossFn ranges: ratio clipped
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--algos", default="ppo,bapo", help="comma-separated: ppo, bapo")
-    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--steps", type=int, required=True)  # the launcher passes its own
     p.add_argument("--staleness", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)

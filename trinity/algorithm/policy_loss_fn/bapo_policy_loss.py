@@ -181,7 +181,11 @@ class BAPOPolicyLossFn(PolicyLossFn):
         low: float,
         high: float,
     ) -> Tuple[torch.Tensor, Dict]:
-        """PPO's clipped surrogate with explicit bounds, plus PPO's dual clip for A < 0."""
+        """PPO's clipped surrogate with explicit bounds, plus PPO's dual clip for A < 0.
+
+        Op for op the same expressions as ``PPOPolicyLossFn``, on purpose: with both ranges
+        collapsed to points the loss, its gradient and the clip metrics are PPO's exactly.
+        """
         unclipped = -advantages * ratio
         clipped = -advantages * torch.clamp(ratio, low, high)
         losses = torch.maximum(unclipped, clipped)

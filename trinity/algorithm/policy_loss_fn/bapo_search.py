@@ -13,15 +13,17 @@ The search is split in two pure steps so that data-parallel ranks can meet in be
    decision one process would take on the union of their tokens.
 """
 
+import math
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
 SEARCH_ORDERS = ("upper_first", "lower_first")
 CONTRIBUTIONS = ("surrogate", "gradient")
 MAX_CANDIDATES = 10_000  # per range; guards against a step so small the grid explodes
+RATIO_RANGE = (math.exp(-20.0), math.exp(20.0))  # the loss clamps log r to [-20, 20]
 
 
 def candidate_grid(start: float, maximum: float, step: float, cap_at_max: bool) -> List[float]:
@@ -84,9 +86,17 @@ class BoundSearch:
         self.contribution = contribution
         self.clip_ratio_c = clip_ratio_c
         signed = [-c for c in reversed(lower)] + [0.0] + list(upper)
-        self._edges = torch.tensor(signed, dtype=torch.float64)
-        self._upper_values = torch.tensor(upper, dtype=torch.float64)
-        self._lower_values = torch.tensor(lower, dtype=torch.float64)
+        self._grids = {
+            "cpu": tuple(torch.tensor(v, dtype=torch.float64) for v in (signed, upper, lower))
+        }
+
+    def _grids_on(self, device: torch.device) -> Tuple[torch.Tensor, ...]:
+        """(signed edges, upper, lower) on ``device``, copied once: a copy per call from
+        host memory would block on the device stream."""
+        key = str(device)
+        if key not in self._grids:
+            self._grids[key] = tuple(t.to(device) for t in self._grids["cpu"])
+        return self._grids[key]
 
     def local_sums(
         self,
@@ -99,7 +109,8 @@ class BoundSearch:
 
         ``ratio`` is detached; ``finite`` marks tokens whose inputs are all finite. Masked and
         non-finite tokens get zero weight (filled, not multiplied, so NaN cannot leak in).
-        Nothing here waits on the device, so it costs no host sync.
+        Nothing here waits on the device (the small grids are copied to it once), so it costs no
+        host sync.
 
         Every token falls in one bin of a signed axis ``x = copysign(r, A)`` cut at
         ``[-b-, ..., -a-, 0, a+, ..., b+]``: a positive token is placed among the upper
@@ -113,9 +124,12 @@ class BoundSearch:
         # In-place steps on few buffers: on CPU each fresh token-sized buffer costs page
         # faults that outweigh the arithmetic. Copies, so float64 inputs are never aliased.
         r = ratio.detach().reshape(-1).to(torch.float64, copy=True).masked_fill_(excluded, 0.0)
+        # Back inside the loss's clamp: a half-precision ratio can underflow to 0, and a
+        # negative token at -0.0 would then count on the positive side; or overflow to inf.
+        r.clamp_(*RATIO_RANGE)
         x = torch.copysign(r, adv)
         weight = adv.to(torch.float64, copy=True).abs_().masked_fill_(excluded, 0.0)  # |A|
-        edges = self._edges.to(x.device)
+        edges, upper, lower = self._grids_on(x.device)
         bins = torch.searchsorted(edges, x, right=True)  # number of edges <= x
         weight_r = r.mul_(weight)  # |A| r, reusing r's buffer
         if self.contribution == "gradient" and self.clip_ratio_c is not None:
@@ -130,14 +144,14 @@ class BoundSearch:
         _, above_a = _split_sums(hist_a[n_low + 1 :])
         positive = below_r
         if self.contribution == "surrogate":
-            positive = positive + self._upper_values.to(x.device) * above_a
+            positive = positive + upper * above_a
 
         # A < 0 sits in bin n_low - #{c_low < r}; flipped, bin k holds #{c_low < r} = k.
         # Tokens with r > c_low keep |A| r; under Eq. 8 the others count at c_low.
         _, negative = _split_sums(hist_r[: n_low + 1].flip(0))
         if self.contribution == "surrogate":
             below_a, _ = _split_sums(hist_a[: n_low + 1].flip(0))
-            negative = negative + self._lower_values.to(x.device) * below_a
+            negative = negative + lower * below_a
 
         nonfinite = (mask & ~finite).sum().to(torch.float64)
         return torch.cat([positive, negative, nonfinite.reshape(1)])
