@@ -183,18 +183,22 @@ class BAPOPolicyLossFn(PolicyLossFn):
     ) -> Tuple[torch.Tensor, Dict]:
         """PPO's clipped surrogate with explicit bounds, plus PPO's dual clip for A < 0.
 
-        Op for op the same expressions as ``PPOPolicyLossFn``, on purpose: with both ranges
-        collapsed to points the loss, its gradient and the clip metrics are PPO's exactly.
+        The loss uses ``PPOPolicyLossFn``'s expressions, so with both ranges collapsed to
+        points it and its gradient are PPO's exactly. The clip fractions are counted directly
+        rather than through ``masked_mean``: the counts are exact either way, so the values are
+        PPO's too, for fewer passes over the tokens.
         """
         unclipped = -advantages * ratio
         clipped = -advantages * torch.clamp(ratio, low, high)
         losses = torch.maximum(unclipped, clipped)
-        clipfrac = masked_mean(torch.gt(clipped, unclipped).float(), mask)
+        live, tokens = mask.bool(), mask.sum() + 1e-8  # masked_mean's denominator
+        clipfrac = (torch.gt(clipped, unclipped) & live).sum() / tokens
         clipfrac_lower = torch.zeros((), device=ratio.device)
         if self.clip_ratio_c is not None:
             dual = -advantages * self.clip_ratio_c
-            clipfrac_lower = masked_mean(torch.gt(losses, dual) * (advantages < 0).float(), mask)
-            losses = torch.where(advantages < 0, torch.min(dual, losses), losses)
+            negative = advantages < 0
+            clipfrac_lower = (torch.gt(losses, dual) & negative & live).sum() / tokens
+            losses = torch.where(negative, torch.min(dual, losses), losses)
         loss = aggregate_loss(losses, mask, loss_agg_mode=self.loss_agg_mode)
         return loss, {
             "pg_clipfrac": clipfrac.detach().item(),

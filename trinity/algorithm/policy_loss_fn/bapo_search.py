@@ -16,9 +16,11 @@ The search is split in two pure steps so that data-parallel ranks can meet in be
 import math
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Dict, List, Tuple
+from typing import List, Tuple
 
 import torch
+
+from trinity.algorithm.policy_loss_fn.bapo_edges import EdgeCounter
 
 SEARCH_ORDERS = ("upper_first", "lower_first")
 CONTRIBUTIONS = ("surrogate", "gradient")
@@ -85,14 +87,12 @@ class BoundSearch:
         self.search_order = search_order
         self.contribution = contribution
         self.clip_ratio_c = clip_ratio_c
-        signed = [-c for c in reversed(lower)] + [0.0] + list(upper)
-        self._grids = {
-            "cpu": tuple(torch.tensor(v, dtype=torch.float64) for v in (signed, upper, lower))
-        }
+        self._edges = EdgeCounter([-c for c in reversed(lower)] + [0.0] + list(upper))
+        self._grids = {"cpu": tuple(torch.tensor(v, dtype=torch.float64) for v in (upper, lower))}
 
     def _grids_on(self, device: torch.device) -> Tuple[torch.Tensor, ...]:
-        """(signed edges, upper, lower) on ``device``, copied once: a copy per call from
-        host memory would block on the device stream."""
+        """(upper, lower) candidates on ``device``, copied once: a copy per call from host
+        memory would block on the device stream."""
         key = str(device)
         if key not in self._grids:
             self._grids[key] = tuple(t.to(device) for t in self._grids["cpu"])
@@ -115,7 +115,7 @@ class BoundSearch:
         Every token falls in one bin of a signed axis ``x = copysign(r, A)`` cut at
         ``[-b-, ..., -a-, 0, a+, ..., b+]``: a positive token is placed among the upper
         candidates, a negative one (at ``-r``) among the lower ones, and the edge at 0 keeps
-        the two sides apart. One search and two 1-D histograms then serve both sides, and
+        the two sides apart. One count of edges and two 1-D histograms then serve both sides, and
         prefix sums over the small histograms give every candidate at once.
         """
         mask, finite = mask.reshape(-1).bool(), finite.reshape(-1)
@@ -129,13 +129,14 @@ class BoundSearch:
         r.clamp_(*RATIO_RANGE)
         x = torch.copysign(r, adv)
         weight = adv.to(torch.float64, copy=True).abs_().masked_fill_(excluded, 0.0)  # |A|
-        edges, upper, lower = self._grids_on(x.device)
-        bins = torch.searchsorted(edges, x, right=True)  # number of edges <= x
+        upper, lower = self._grids_on(x.device)
+        bins = self._edges.count(x)  # number of signed edges <= x
         weight_r = r.mul_(weight)  # |A| r, reusing r's buffer
         if self.contribution == "gradient" and self.clip_ratio_c is not None:
             weight_r.masked_fill_(x < -self.clip_ratio_c, 0.0)  # dual clip: A < 0 has no grad
-        hist_r = weight.new_zeros(edges.numel() + 1).index_add_(0, bins, weight_r)
-        hist_a = weight.new_zeros(edges.numel() + 1).index_add_(0, bins, weight)
+        num_bins = len(self.lower) + len(self.upper) + 2
+        hist_r = weight.new_zeros(num_bins).index_add_(0, bins, weight_r)
+        hist_a = weight.new_zeros(num_bins).index_add_(0, bins, weight)
         n_low = len(self.lower)
 
         # A > 0 sits in bin n_low + 1 + #{c_high <= r}. Tokens with r < c_high keep A * r;
