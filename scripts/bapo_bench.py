@@ -204,7 +204,7 @@ def bench_stages(clock: Clock, shape, repeats: int, device: str) -> Dict:
         "ratio (sub, clamp, exp; PPO does the same)":
             lambda: torch.exp(torch.clamp(lp - old, min=-20.0, max=20.0)),
         "finite: isfinite((lp - old) + adv)": lambda: torch.isfinite(raw.detach() + adv),
-        "local_sums (one searchsorted, 2 histograms)":
+        "local_sums (edge count, 2 histograms)":
             lambda: search.local_sums(ratio, adv, mask, finite),
         "decide (host walk over the sums)": lambda: search.decide(sums),
         "clipped loss + metrics (.item() x4)": clipped_loss_and_metrics,
@@ -326,7 +326,8 @@ def bench_dp(tokens: int, repeats: int, timeout: int) -> Dict:
             result = json.load(f)
     say(
         f"## Data parallel: {result['world_size']} gloo ranks x {result['tokens_per_rank']:,} "
-        f"tokens (wall time, slowest rank per repeat, median of {result['repeats']})"
+        f"tokens (wall time per call over {result['calls_per_repeat']} back-to-back calls, "
+        f"slowest rank per repeat, median of {result['repeats']})"
     )
     med = result["median_s"]
     say(f"   authors' style (all_reduce [P, N] + .item() per pair) {fmt_ms(med['literal'])}")

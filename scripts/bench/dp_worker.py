@@ -9,8 +9,11 @@ times, interleaved and between barriers:
   + ``decide``, i.e. the search as the loss runs it with ``dp_group``;
 * ``loss``: the whole ``BAPOPolicyLossFn`` forward with ``dp_group`` (information).
 
-A step waits for its slowest rank, so each repeat takes the maximum over ranks; the figure is
-the median over repeats. Collectives are counted by wrapping the torch.distributed functions,
+Each repeat starts at a barrier and makes ``--calls-per-repeat`` calls back to back, as a
+trainer calls the loss micro-batch after micro-batch; with 4 ranks on 2 cores a single call
+would mostly time how long the scheduler keeps a rank off the CPU after the barrier. A step
+waits for its slowest rank, so each repeat takes the maximum over ranks of the time per call;
+the figure is the median over repeats. Collectives are counted by wrapping the torch.distributed functions,
 and rank 0 writes one JSON file.
 """
 
@@ -76,6 +79,7 @@ def main() -> None:
     parser.add_argument("--tokens-per-rank", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--calls-per-repeat", type=int, default=8)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -113,8 +117,9 @@ def main() -> None:
         for name in order:
             barrier(group=group)
             start = time.perf_counter()
-            contenders[name]()
-            elapsed = time.perf_counter() - start
+            for _ in range(args.calls_per_repeat):
+                contenders[name]()
+            elapsed = (time.perf_counter() - start) / args.calls_per_repeat
             if i >= args.warmup:
                 samples[name].append(elapsed)
 
@@ -154,6 +159,7 @@ def main() -> None:
             "world_size": world,
             "tokens_per_rank": ratio.numel(),
             "repeats": args.repeats,
+            "calls_per_repeat": args.calls_per_repeat,
             "median_s": medians,
             "speedup": medians["literal"] / medians["ours"],
             "collectives": per_call,
