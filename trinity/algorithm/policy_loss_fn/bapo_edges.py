@@ -45,6 +45,10 @@ class EdgeCounter:
             self._tables[key] = tuple(t.to(device) for t in tables)
         return self._tables[key]
 
+    def edges_on(self, device: torch.device) -> torch.Tensor:
+        """The edges as a float64 tensor on ``device``."""
+        return self._tables_on(device)[0]
+
     def count(self, x: torch.Tensor) -> torch.Tensor:
         edges, at_cell, next_edge, prev_edge = self._tables_on(x.device)
         if self.cells > MAX_CELLS:

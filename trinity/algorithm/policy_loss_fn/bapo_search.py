@@ -87,16 +87,9 @@ class BoundSearch:
         self.search_order = search_order
         self.contribution = contribution
         self.clip_ratio_c = clip_ratio_c
+        # Signed axis [-b-, ..., -a-, 0, a+, ..., b+]; its tables are copied to a device once,
+        # since a copy per call from host memory would block on the device stream.
         self._edges = EdgeCounter([-c for c in reversed(lower)] + [0.0] + list(upper))
-        self._grids = {"cpu": tuple(torch.tensor(v, dtype=torch.float64) for v in (upper, lower))}
-
-    def _grids_on(self, device: torch.device) -> Tuple[torch.Tensor, ...]:
-        """(upper, lower) candidates on ``device``, copied once: a copy per call from host
-        memory would block on the device stream."""
-        key = str(device)
-        if key not in self._grids:
-            self._grids[key] = tuple(t.to(device) for t in self._grids["cpu"])
-        return self._grids[key]
 
     def local_sums(
         self,
@@ -109,7 +102,7 @@ class BoundSearch:
 
         ``ratio`` is detached; ``finite`` marks tokens whose inputs are all finite. Masked and
         non-finite tokens get zero weight (filled, not multiplied, so NaN cannot leak in).
-        Nothing here waits on the device (the small grids are copied to it once), so it costs no
+        Nothing here waits on the device (the edge tables are copied to it once), so it costs no
         host sync.
 
         Every token falls in one bin of a signed axis ``x = copysign(r, A)`` cut at
@@ -129,15 +122,14 @@ class BoundSearch:
         r.clamp_(*RATIO_RANGE)
         x = torch.copysign(r, adv)
         weight = adv.to(torch.float64, copy=True).abs_().masked_fill_(excluded, 0.0)  # |A|
-        upper, lower = self._grids_on(x.device)
+        edges, n_low = self._edges.edges_on(x.device), len(self.lower)
+        upper, lower = edges[n_low + 1 :], -edges[:n_low].flip(0)  # exact: negation
         bins = self._edges.count(x)  # number of signed edges <= x
         weight_r = r.mul_(weight)  # |A| r, reusing r's buffer
         if self.contribution == "gradient" and self.clip_ratio_c is not None:
             weight_r.masked_fill_(x < -self.clip_ratio_c, 0.0)  # dual clip: A < 0 has no grad
-        num_bins = len(self.lower) + len(self.upper) + 2
-        hist_r = weight.new_zeros(num_bins).index_add_(0, bins, weight_r)
-        hist_a = weight.new_zeros(num_bins).index_add_(0, bins, weight)
-        n_low = len(self.lower)
+        hist_r = weight.new_zeros(edges.numel() + 1).index_add_(0, bins, weight_r)
+        hist_a = weight.new_zeros(edges.numel() + 1).index_add_(0, bins, weight)
 
         # A > 0 sits in bin n_low + 1 + #{c_high <= r}. Tokens with r < c_high keep A * r;
         # under Eq. 8 the others count at c_high.
