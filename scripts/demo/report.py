@@ -4,7 +4,6 @@ Runs in the parent process, after the workers have exited, and needs only the JS
 """
 
 import json
-import math
 from pathlib import Path
 from typing import Dict, List
 
@@ -48,21 +47,6 @@ def summarise(rows: List[Dict]) -> Dict:
     if "rho_check_err" in rows[0]:
         out["rho_check_max_err"] = max(r["rho_check_err"] for r in rows)
     return out
-
-
-def all_finite(rows: List[Dict]) -> bool:
-    """Every number logged (nested lists included) is finite."""
-
-    def ok(v):
-        if isinstance(v, bool) or isinstance(v, str) or v is None:
-            return True
-        if isinstance(v, (int, float)):
-            return math.isfinite(v)
-        if isinstance(v, (list, tuple)):
-            return all(ok(x) for x in v)
-        return True
-
-    return all(ok(v) for r in rows for v in r.values())
 
 
 def _smooth(values: List[float], width: int = WINDOW) -> List[float]:

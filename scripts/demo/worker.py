@@ -13,7 +13,6 @@ Run through ``scripts/bapo_demo.py``, which launches it and draws the report.
 import argparse
 import copy
 import json
-import math
 import os
 import sys
 import time
