@@ -1,35 +1,21 @@
 #!/usr/bin/env python3
-"""Apply, revert and inspect this repo's changes to an installed trinity-rft.
+"""Apply, revert and show (status) this repo's changes to an installed trinity-rft.
 
-The repo never carries upstream code. It changes the installed package in two ways:
-
-* patches/series lists unified diffs against the released files; they are applied with
-  GNU patch. patches/manifest.json records, per touched file, the sha256 of the released
-  file and of the file after the whole series, so every step can tell "released",
-  "patched" and "something else" apart and refuse instead of guessing.
-* every *.py file under the repo's trinity/ tree is symlinked into the installed package
-  at the same path, so our modules import as upstream ones would and edits need no
-  reinstall. New files belong there, never in a patch.
-
-Commands:
-  apply    [--site DIR]  patch the released files (no-op if patched), then link our modules
-  revert   [--site DIR]  restore the released files (no-op if released), unlink our modules
-  status   [--site DIR]  show the state of each touched file and of the links; exit 0
-  manifest --pristine DIR [--output FILE]
-                         recompute the manifest from released files (maintainers)
-
-DIR is the directory that contains the `trinity` package (site-packages); by default the
-one the running interpreter would import it from. Refusals exit 1, usage errors exit 2.
-To change a patch: revert, edit, rerun `manifest`, apply.
+patches/series holds diffs against released files, applied by ``git apply`` to copies that move
+into place together. A file is released if its sha256 is the one in pip's RECORD, and patched if
+reverse-applying the series to a copy gives those bytes; anything else is refused, by name. Every
+``*.py`` under the repo's trinity/ is copied into the package at the same path (hashes kept in
+trinity/.bapo-installed.json): ``apply`` re-copies what the repo changed, never a copy edited in
+place or a file not ours. ``--site``: the directory holding ``trinity`` (default: trinity-rft's).
 """
 
-from __future__ import annotations
-
 import argparse
+import base64
 import hashlib
-import importlib.util
+import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,396 +23,195 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PATCH_DIR = REPO / "patches"
-MANIFEST = PATCH_DIR / "manifest.json"
-DISTRIBUTION = "trinity-rft"
-REINSTALL_HINT = "To start clean: pip install --force-reinstall --no-deps {dist}=={version}"
-
-
-class Refusal(Exception):
-    """An expected stop whose message is all the user needs (no traceback)."""
-
-
-# --- hashes and the patch series ---------------------------------------------------------
+DIST, VERSION = "trinity-rft", "0.6.0"
+RECORD = "trinity/.bapo-installed.json"
 
 
 def sha256(path: Path) -> str:
-    """Hex sha256 of a file's bytes: the identity every state check is based on."""
+    """Hex sha256 of a file's bytes: the identity every state check rests on."""
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def series_names() -> list[str]:
-    """Patch names in application order, read quilt-style (comments and options ignored)."""
-    names = []
-    for line in (PATCH_DIR / "series").read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            names.append(line.split()[0])
-    return names
+def series() -> list[Path]:
+    """The patches in application order."""
+    return [REPO / "patches" / name for name in (REPO / "patches" / "series").read_text().split()]
 
 
-def touched_files(patch: Path) -> list[str]:
-    """Site-relative paths a diff changes. A file header is a `--- a/...` line directly
-    followed by `+++ b/...`; requiring the pair keeps hunk lines from being misread."""
-    lines = patch.read_text().splitlines()
-    paths = []
-    for old, new in zip(lines, lines[1:]):
-        if old.startswith("--- ") and new.startswith("+++ "):
-            names = [line[4:].split("\t", 1)[0].strip() for line in (old, new)]
-            if "/dev/null" in names:
-                raise Refusal(f"{patch.name} creates or deletes a file; put new files in trinity/")
-            paths.append(names[1].split("/", 1)[1])
-    return paths
+def touched() -> list[str]:
+    """Site-relative paths the series changes."""
+    text = "".join(p.read_text() for p in series())
+    return sorted(set(re.findall(r"^\+\+\+ b/(\S+)", text, re.M)))
 
 
-def series_fingerprint() -> list[dict]:
-    """Name and hash of each patch, stored in the manifest so a stale one is caught."""
-    return [{"patch": n, "sha256": sha256(PATCH_DIR / n)} for n in series_names()]
+def released_hashes(site: Path) -> dict[str, str]:
+    """Hex sha256 of every released file, from RECORD, after checking the installed version."""
+    dists = list(importlib.metadata.distributions(name=DIST, path=[str(site)]))
+    if len(dists) != 1:
+        raise SystemExit(f"{len(dists)} {DIST} installations found in {site}; expected one")
+    if dists[0].version != VERSION:
+        raise SystemExit(f"{DIST} {dists[0].version} is installed; the series is for {VERSION}")
+    hashes = {str(f): f.hash for f in dists[0].files or [] if f.hash and f.hash.mode == "sha256"}
+    return {rel: base64.urlsafe_b64decode(h.value + "==").hex() for rel, h in hashes.items()}
 
 
-def run_series(root: Path, reverse: bool) -> None:
-    """Apply (or reverse-apply, last patch first) the whole series to the tree at `root`."""
-    names = series_names()
-    for name in reversed(names) if reverse else names:
-        cmd = ["patch", "-p1", "--no-backup-if-mismatch", "-s", "--batch", "--fuzz=0",
-               "-R" if reverse else "-N", "-d", str(root), "-i", str(PATCH_DIR / name)]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        except FileNotFoundError:
-            raise Refusal("GNU patch is not installed (needed to apply the series)") from None
-        if done.returncode != 0:
-            verb = "reverse-apply" if reverse else "apply"
-            raise Refusal(f"{name} did not {verb} cleanly:\n{done.stdout}{done.stderr}".rstrip())
+def git_apply(root: Path, *args: str | Path) -> subprocess.CompletedProcess[bytes]:
+    """``git apply`` on the plain directory `root`, never inside an enclosing repository."""
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(root.parent))
+    return subprocess.run(["git", "apply", *args], cwd=root, env=env, capture_output=True)
 
 
-# --- the installed package ---------------------------------------------------------------
+def stage(site: Path, rels: list[str], tmp: str) -> Path:
+    """Copy the given files of `site` into a scratch tree, where the series is tried first."""
+    for rel in rels:
+        Path(tmp, rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(site / rel, Path(tmp, rel))
+    return Path(tmp)
 
 
-def default_site() -> Path:
-    """Where the running interpreter would import `trinity` from, found without importing it
-    (importing trinity takes seconds and would load the files we are about to change)."""
-    spec = importlib.util.find_spec("trinity")
-    if spec is None or spec.origin is None or not spec.origin.endswith("__init__.py"):
-        raise Refusal(f"{DISTRIBUTION} is not installed for {sys.executable}; pass --site DIR")
-    return Path(spec.origin).parent.parent
-
-
-def installed_version(site: Path) -> str | None:
-    """Version from the distribution's METADATA in `site`; None if there is none."""
-    found = sorted(site.glob("trinity_rft-*.dist-info/METADATA"))
-    if len(found) > 1:
-        raise Refusal(f"several trinity_rft dist-info directories in {site}; reinstall it")
-    if not found:
-        return None
-    for line in found[0].read_text(encoding="utf-8").splitlines():
-        if not line:
-            break
-        if line.startswith("Version:"):
-            return line.split(":", 1)[1].strip()
-    return None
-
-
-def check_site(site: Path, expected: str) -> None:
-    """Refuse to touch anything unless the site holds the release the series was made for."""
-    if not (site / "trinity" / "__init__.py").is_file():
-        raise Refusal(f"no trinity package in {site}")
-    version = installed_version(site)
-    if version is None:
-        raise Refusal(f"no {DISTRIBUTION} metadata in {site}; this patch series is for {expected}")
-    if version != expected:
-        raise Refusal(f"{DISTRIBUTION} {version} is installed; this patch series is for {expected}")
-
-
-def read_manifest() -> dict:
-    """The recorded hashes as they are on disk."""
-    if not MANIFEST.is_file():
-        raise Refusal(f"{MANIFEST} is missing; run: {Path(__file__).name} manifest --pristine DIR")
-    return json.loads(MANIFEST.read_text())
-
-
-def manifest_is_current(manifest: dict) -> bool:
-    """Whether the manifest was recorded from the patches as they are now."""
-    return manifest["series"] == series_fingerprint()
-
-
-def load_manifest() -> dict:
-    """The recorded hashes, refused if the patches changed since they were recorded."""
-    manifest = read_manifest()
-    if not manifest_is_current(manifest):
-        raise Refusal(f"{MANIFEST.name} does not match patches/series; "
-                      f"rerun: {Path(__file__).name} manifest --pristine DIR")
-    return manifest
-
-
-def file_state(site: Path, rel: str, expected: dict) -> tuple[str, str | None]:
-    """('upstream' | 'patched' | 'modified' | 'missing', actual sha256) of one touched file."""
-    path = site / rel
-    if not path.is_file():
-        return "missing", None
-    digest = sha256(path)
-    for state in ("upstream", "patched"):
-        if digest == expected[state]:
-            return state, digest
-    return "modified", digest
-
-
-def series_state(site: Path, manifest: dict, action: str) -> str:
-    """'upstream' or 'patched' when all touched files agree. Otherwise refuse: list the
-    modified or missing files with actual and expected hashes, or, if the series is merely
-    half applied, the state of each file."""
-    states = {rel: file_state(site, rel, exp) for rel, exp in manifest["files"].items()}
-    kinds = {state for state, _ in states.values()}
-    if kinds in ({"upstream"}, {"patched"}):
-        return kinds.pop()
-    odd = {rel: found for rel, found in states.items() if found[0] in ("modified", "missing")}
-    if not odd:
-        lines = [f"refusing to {action}: the series is only partly applied"]
-        lines += [f"  {state:<9} {rel}" for rel, (state, _) in states.items()]
-    else:
-        lines = [f"refusing to {action}: these files are neither the released "
-                 f"{manifest['version']} nor the patched ones"]
-        for rel, (state, digest) in odd.items():
-            exp = manifest["files"][rel]
-            lines += [f"  {rel} ({state})", f"      sha256   {digest or '-'}",
-                      f"      upstream {exp['upstream']}", f"      patched  {exp['patched']}"]
-    lines.append(REINSTALL_HINT.format(dist=DISTRIBUTION, version=manifest["version"]))
-    raise Refusal("\n".join(lines))
-
-
-def rewrite_series(site: Path, manifest: dict, reverse: bool) -> None:
-    """Run the series on a staging copy, check every result against the manifest, and only
-    then swap the results into the site, so a failure anywhere leaves the site as it was."""
-    files, target = manifest["files"], "upstream" if reverse else "patched"
-    with tempfile.TemporaryDirectory(prefix="trinity-patches-") as tmp:
-        stage = Path(tmp)
-        for rel in files:
-            (stage / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(site / rel, stage / rel)
-        run_series(stage, reverse)
-        wrong = [rel for rel, exp in files.items() if sha256(stage / rel) != exp[target]]
-        if wrong:
-            raise Refusal(f"the series did not give the recorded {target} content for: "
-                          f"{', '.join(wrong)}; is {MANIFEST.name} current?")
-        replace_files(stage, site, list(files))
-
-
-def replace_files(stage: Path, site: Path, rels: list[str]) -> None:
-    """Copy every staged file next to its target first, then rename them all into place:
-    renames within a directory do not fail halfway the way copies can."""
-    pending = []
+def place(site: Path, sources: dict[str, Path]) -> dict[str, str]:
+    """Put copies of the sources at their targets, all or none; return the copies' hashes."""
+    pending, hashes = [], {}  # copies go next to their targets, then renames (which cannot fail)
     try:
-        for rel in rels:
-            dst = site / rel
-            fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-            os.close(fd)
-            pending.append((Path(tmp), dst))
-            shutil.copyfile(stage / rel, tmp)
-            shutil.copymode(dst, tmp)
+        for rel, src in sources.items():
+            (site / rel).parent.mkdir(parents=True, exist_ok=True)
+            tmp = (site / rel).with_name(f".{src.name}.{os.getpid()}.tmp")
+            pending.append((tmp, site / rel))
+            shutil.copyfile(src, tmp)
+            os.chmod(tmp, 0o644)
+            hashes[rel] = sha256(tmp)
     except BaseException:
         for tmp, _ in pending:
             tmp.unlink(missing_ok=True)
         raise
     for tmp, dst in pending:
-        os.replace(tmp, dst)
+        os.replace(tmp, dst)  # a fresh mtime, so no cached bytecode of the old copy matches
+    return hashes
 
 
-# --- overlay of our own modules ----------------------------------------------------------
+def file_states(site: Path, released: dict[str, str]) -> dict[str, str]:
+    """'released', 'patched', 'modified' or 'missing' for every file the series touches."""
+    rels, states = touched(), {}
+    with tempfile.TemporaryDirectory(prefix="trinity-patches-") as tmp:
+        root = stage(site, [rel for rel in rels if (site / rel).is_file()], tmp)
+        for rel in rels:
+            if (site / rel).is_file() and sha256(site / rel) == released.get(rel):
+                states[rel] = "released"
+            elif (site / rel).is_file():
+                undone = git_apply(root, "-R", f"--include={rel}", *series()[::-1]).returncode
+                same = not undone and sha256(root / rel) == released.get(rel)
+                states[rel] = "patched" if same else "modified"
+            else:
+                states[rel] = "missing"
+    return states
 
 
-def overlay_sources(overlay: Path) -> list[str]:
-    """Our module files, site-relative (overlay is the repo's trinity/ directory)."""
-    return sorted(str(p.relative_to(overlay.parent)) for p in overlay.rglob("*.py")
-                  if "__pycache__" not in p.parts)
+def series_state(site: Path, released: dict[str, str], action: str) -> str:
+    """Return 'released' or 'patched' if every touched file agrees; else refuse, naming files."""
+    states = file_states(site, released)
+    if set(states.values()) in ({"released"}, {"patched"}):
+        return next(iter(states.values()))
+    lines = [f"refusing to {action}: not all files are the released {VERSION} or patched ones"]
+    for rel, state in states.items():
+        lines.append(f"  {state:<9} {rel}")
+        if state in ("modified", "missing"):
+            digest = sha256(site / rel) if state == "modified" else "-"
+            lines += [f"      sha256   {digest}", f"      released {released.get(rel, '-')}"]
+    hint = f"To start clean: pip install --force-reinstall --no-deps {DIST}=={VERSION}"
+    raise SystemExit("\n".join([*lines, hint]))
 
 
-def link_target(link: Path) -> Path:
-    """Where a symlink points, as an absolute normalised path (it may dangle)."""
-    target = Path(os.readlink(link))
-    return Path(os.path.normpath(link.parent / target))
+def rewrite_series(site: Path, released: dict[str, str], reverse: bool) -> None:
+    """Run the whole series on copies and move the results into place only if it all worked."""
+    rels, patches = touched(), series()[::-1] if reverse else series()
+    with tempfile.TemporaryDirectory(prefix="trinity-patches-") as tmp:
+        root = stage(site, rels, tmp)
+        done = git_apply(root, *["-R"] * reverse, *patches)
+        if done.returncode or (reverse and any(sha256(root / r) != released[r] for r in rels)):
+            raise SystemExit(f"the series did not apply to copies:\n{done.stderr.decode()}")
+        place(site, {rel: root / rel for rel in rels})
 
 
-def our_links(site: Path, overlay: Path) -> list[Path]:
-    """Every symlink in the installed package that points into our overlay tree."""
-    links = []
-    for dirpath, _, filenames in os.walk(site / "trinity"):
-        for name in filenames:
-            path = Path(dirpath, name)
-            if path.is_symlink() and link_target(path).is_relative_to(overlay):
-                links.append(path)
-    return sorted(links)
+def module_states(site: Path, overlay: Path) -> dict[str, str]:
+    """Map each repo module to installed, outdated, absent, modified or blocked (not ours)."""
+    record, states = read_record(site), {}
+    for src in sorted(p for p in overlay.rglob("*.py") if "__pycache__" not in p.parts):
+        rel = str(src.relative_to(overlay.parent))
+        dst, state = site / rel, "absent"
+        if dst.exists():
+            digest, wanted = sha256(dst), sha256(src)
+            state = "installed" if digest == wanted else "outdated"
+            state = "modified" if digest not in (record.get(rel), wanted) else state
+            state = state if rel in record else "blocked"
+        states[rel] = state
+    return states
 
 
-def plan_links(site: Path, overlay: Path) -> list[tuple[Path, Path]]:
-    """(link, source) pairs still to create; refuses if any would shadow an upstream file or
-    sit where a non-directory is in the way. Run before patching, so a refusal changes nothing."""
-    todo, clashes = [], []
-    for rel in overlay_sources(overlay):
-        link, source = site / rel, overlay.parent / rel
-        blocked = [p for p in link.parents if p.is_relative_to(site) and p.exists()
-                   and not p.is_dir()]
-        if blocked:
-            clashes.append(f"  {blocked[0].relative_to(site)} is not a directory")
-        elif link.is_symlink() and link_target(link).is_relative_to(overlay):
-            if link_target(link) != source:
-                todo.append((link, source))
-        elif link.exists() or link.is_symlink():
-            clashes.append(f"  {rel} exists in the installed package")
-        else:
-            todo.append((link, source))
+def read_record(site: Path) -> dict[str, str]:
+    """Our installed modules: site-relative path -> sha256 of the copy."""
+    return json.loads((site / RECORD).read_text()) if (site / RECORD).is_file() else {}
+
+
+def remove_modules(site: Path, rels: list[str]) -> None:
+    """Remove our modules, their bytecode, and directories left empty (pip makes none empty)."""
+    for rel in rels:
+        (site / rel).unlink(missing_ok=True)
+        for pyc in (site / rel).parent.glob(f"__pycache__/{Path(rel).stem}.*.pyc"):
+            pyc.unlink()
+        for directory in Path(rel).parents[:-2]:
+            for sub in (site / directory / "__pycache__", site / directory):
+                if sub.is_dir() and not any(sub.iterdir()):
+                    sub.rmdir()
+
+
+def cmd_apply(site: Path, overlay: Path, reverse: bool) -> None:
+    """Patch or revert (unless done already), then install or remove our modules."""
+    released = released_hashes(site)
+    state = series_state(site, released, "revert" if reverse else "apply")
+    modules = {} if reverse else module_states(site, overlay)
+    clashes = [f"  {rel} ({s})" for rel, s in modules.items() if s in ("modified", "blocked")]
     if clashes:
-        raise Refusal("refusing to link our modules over upstream files:\n" + "\n".join(clashes))
-    return todo
+        raise SystemExit("refusing to install our modules over these files:\n" + "\n".join(clashes))
+    goal = "released" if reverse else "patched"
+    if state != goal:
+        rewrite_series(site, released, reverse)
+    print(f"{len(touched())} files {'were already' if state == goal else 'now'} {goal}")
+    before = read_record(site)
+    remove_modules(site, [rel for rel in before if rel not in modules])
+    todo = {rel: overlay.parent / rel for rel, state in modules.items() if state != "installed"}
+    record = {rel: h for rel, h in before.items() if rel in modules} | place(site, todo)
+    if record and record != before:
+        tmp = Path(f"{site / RECORD}.{os.getpid()}")
+        tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
+        os.replace(tmp, site / RECORD)
+    elif not record:
+        (site / RECORD).unlink(missing_ok=True)
+    print(f"our modules: {len(modules)} installed, {len(todo)} of them copied now")
 
 
-def remove_link(link: Path) -> None:
-    """Drop one of our links and the bytecode Python cached for it."""
-    link.unlink()
-    for pyc in (link.parent / "__pycache__").glob(f"{link.stem}.*.pyc"):
-        pyc.unlink()
-
-
-def prune_dirs(start: Path, site: Path) -> None:
-    """Remove directories left empty by unlinking, up to the package root. pip never installs
-    an empty directory, so an empty one can only be one this tool created."""
-    root = site / "trinity"
-    for directory in [start, *start.parents]:
-        if directory == root or not directory.is_relative_to(root):
-            return
-        cache = directory / "__pycache__"
-        if cache.is_dir() and not any(cache.iterdir()):
-            cache.rmdir()
-        if any(directory.iterdir()):
-            return
-        directory.rmdir()
-
-
-def unlink_stale(site: Path, overlay: Path, keep: set[Path]) -> int:
-    """Remove our links other than `keep` (e.g. to renamed files); returns how many."""
-    stale = [link for link in our_links(site, overlay) if link not in keep]
-    for link in stale:
-        remove_link(link)
-        prune_dirs(link.parent, site)
-    return len(stale)
-
-
-def link_overlay(site: Path, overlay: Path, todo: list[tuple[Path, Path]]) -> None:
-    """Create the planned links (and any missing directories, which then hold only ours)."""
-    for link, source in todo:
-        if link.is_symlink():
-            link.unlink()
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(source)
-
-
-# --- commands ----------------------------------------------------------------------------
-
-
-def cmd_apply(site: Path, overlay: Path) -> None:
-    """Patch (unless already patched), then bring the links in line with our modules."""
-    manifest = load_manifest()
-    check_site(site, manifest["version"])
-    state = series_state(site, manifest, "apply")
-    todo = plan_links(site, overlay)
-    if state == "patched":
-        print("patch series already applied")
-    else:
-        rewrite_series(site, manifest, reverse=False)
-        print(f"applied {len(manifest['series'])} patches to {len(manifest['files'])} files")
-    keep = {site / rel for rel in overlay_sources(overlay)}
-    removed = unlink_stale(site, overlay, keep)
-    link_overlay(site, overlay, todo)
-    print(f"overlay: {len(keep)} modules linked ({len(todo)} new"
-          + (f", {removed} stale links removed)" if removed else ")"))
-
-
-def cmd_revert(site: Path, overlay: Path) -> None:
-    """Restore the released files (unless already released) and remove all our links."""
-    manifest = load_manifest()
-    check_site(site, manifest["version"])
-    if series_state(site, manifest, "revert") == "upstream":
-        print("patch series not applied")
-    else:
-        rewrite_series(site, manifest, reverse=True)
-        print(f"restored {len(manifest['files'])} released files")
-    print(f"removed {unlink_stale(site, overlay, keep=set())} links to our modules")
-
-
-def cmd_status(site: Path, overlay: Path) -> None:
-    """Report without judging: what each touched file is and which links exist."""
-    manifest = read_manifest()
-    if not manifest_is_current(manifest):
-        print(f"warning: {MANIFEST.name} does not match patches/series")
-    print(f"{DISTRIBUTION} {installed_version(site) or 'not found'} in {site} "
-          f"(series is for {manifest['version']})")
-    print("touched files:")
-    for rel, expected in manifest["files"].items():
-        print(f"  {file_state(site, rel, expected)[0]:<9} {rel}")
-    print("overlay:")
-    linked = {link: link_target(link) for link in our_links(site, overlay)}
-    for rel in overlay_sources(overlay):
-        link = site / rel
-        if link in linked:
-            print(f"  linked    {rel} -> {linked.pop(link)}")
-        else:
-            print(f"  {'blocked' if link.exists() else 'unlinked':<9} {rel}")
-    for link, target in linked.items():
-        print(f"  stale     {link.relative_to(site)} -> {target}")
-
-
-def cmd_manifest(pristine: Path, output: Path) -> None:
-    """Record released and patched hashes by running the series on a copy of `pristine`."""
-    version = installed_version(pristine)
-    if version is None:
-        raise Refusal(f"no {DISTRIBUTION} metadata in {pristine}")
-    files = sorted({rel for name in series_names() for rel in touched_files(PATCH_DIR / name)})
-    missing = [rel for rel in files if not (pristine / rel).is_file()]
-    if missing:
-        raise Refusal(f"not in {pristine}: {', '.join(missing)}")
-    with tempfile.TemporaryDirectory(prefix="trinity-manifest-") as tmp:
-        stage = Path(tmp)
-        for rel in files:
-            (stage / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(pristine / rel, stage / rel)
-        run_series(stage, reverse=False)
-        hashes = {rel: {"upstream": sha256(pristine / rel), "patched": sha256(stage / rel)}
-                  for rel in files}
-    manifest = {"distribution": DISTRIBUTION, "version": version,
-                "series": series_fingerprint(), "files": hashes}
-    output.write_text(json.dumps(manifest, indent=2) + "\n")
-    print(f"wrote {output} ({len(files)} files, {DISTRIBUTION} {version})")
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Command line as described in the module docstring."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("apply", "patch and link"), ("revert", "restore the release"),
-                       ("status", "show the current state")):
-        sub = commands.add_parser(name, help=text)
-        sub.add_argument("--site", type=Path, help="directory containing the trinity package")
-        sub.add_argument("--overlay", type=Path, default=REPO / "trinity",
-                         help="our module tree to link (default: the repo's trinity/)")
-    sub = commands.add_parser("manifest", help="rewrite patches/manifest.json")
-    sub.add_argument("--pristine", type=Path, required=True,
-                     help="directory holding the released trinity package and its dist-info")
-    sub.add_argument("--output", type=Path, default=MANIFEST, help="where to write it")
-    return parser.parse_args(argv)
+def cmd_status(site: Path, overlay: Path) -> bool:
+    """Print the state of every touched file and module; True when all is as the repo has it."""
+    files, modules = file_states(site, released_hashes(site)), module_states(site, overlay)
+    stale = [rel for rel in read_record(site) if rel not in modules]
+    print(f"{DIST} {VERSION} in {site}")
+    for kind, states in (("touched files", files), ("our modules", modules)):
+        print(f"{kind}:\n" + "\n".join(f"  {state:<9} {rel}" for rel, state in states.items()))
+    print("".join(f"  stale     {rel}\n" for rel in stale), end="")
+    settled = set(files.values()) == {"patched"} and set(modules.values()) <= {"installed"}
+    return settled and not stale
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Dispatch; expected refusals print one message and return 1."""
-    args = parse_args(argv)
-    try:
-        if args.command == "manifest":
-            cmd_manifest(args.pristine.resolve(), args.output)
-            return 0
-        site = (args.site or default_site()).resolve()
-        overlay = args.overlay.resolve()
-        {"apply": cmd_apply, "revert": cmd_revert, "status": cmd_status}[args.command](
-            site, overlay)
-    except Refusal as refusal:
-        print(f"{Path(__file__).name}: {refusal}", file=sys.stderr)
-        return 1
+    """Parse the command line (see the module docstring) and run one command."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=("apply", "revert", "status"))
+    parser.add_argument("--site", type=Path, help="directory that holds the trinity package")
+    parser.add_argument("--overlay", type=Path, default=REPO / "trinity", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    site = args.site or Path(str(importlib.metadata.distribution(DIST).locate_file("")))
+    if args.command != "status":
+        cmd_apply(site.resolve(), args.overlay.resolve(), reverse=args.command == "revert")
+    elif not cmd_status(site.resolve(), args.overlay.resolve()):
+        return 1  # not everything is patched and installed as the repo has it
     return 0
 
 

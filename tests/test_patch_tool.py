@@ -1,22 +1,16 @@
 """Tests for scripts/trinity_patches.py, each run on a scratch copy of the trinity package.
 
-Where the pristine files come from. CI has no wheel to unpack: its only copy of trinity-rft
-is the one installed in the venv, which `make setup` has already patched and linked. So the
-session fixture copies the installed package (leaving out bytecode caches and symlinks, i.e.
-our overlay) and, if it is not the release, reverse-applies patches/series with plain GNU
-`patch -R` right here, without the tool under test. The outcome is then checked file by
-file against the sha256 hashes pip wrote into the distribution's RECORD when it installed
-the released wheel. RECORD knows nothing of our tool or of patches/manifest.json, so this
-check is independent of both: if the reverse patching or the installed package is off, the
-fixture fails loudly instead of the tests running on files that are not the release.
+Where the released files come from: CI's only copy of trinity-rft is the one installed in the
+venv, which `make setup` has already patched and filled with our modules. The session fixture
+copies the installed package and its dist-info, drops every file pip's RECORD does not list (our
+modules, bytecode caches) and, if needed, reverse-applies patches/series with plain GNU `patch
+-R`, without the tool under test. It then checks every file against the sha256 in RECORD, so the
+tests never run on files that are not the release.
 """
-
-from __future__ import annotations
 
 import base64
 import hashlib
 import importlib.metadata
-import json
 import os
 import shutil
 import subprocess
@@ -28,18 +22,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "scripts" / "trinity_patches.py"
 PATCHES = REPO / "patches"
-MANIFEST = json.loads((PATCHES / "manifest.json").read_text())
+RECORD = "trinity/.bapo-installed.json"
 LOSS_FN = "trinity/algorithm/policy_loss_fn/policy_loss_fn.py"
+LOSSES = "trinity/trainer/verl/losses.py"
 
 
 def sha256(path: Path) -> str:
-    """Hex sha256 of a file, the form the manifest uses."""
+    """Hex sha256 of a file."""
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def record_form(hex_digest: str) -> str:
-    """A hex sha256 in RECORD's spelling (urlsafe base64, no padding)."""
-    return base64.urlsafe_b64encode(bytes.fromhex(hex_digest)).rstrip(b"=").decode()
 
 
 def series() -> list[str]:
@@ -48,28 +38,30 @@ def series() -> list[str]:
     return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
 
 
-def plain_patch(root: Path, reverse: bool) -> None:
-    """Run the series over `root` with GNU patch alone (last patch first when reversing)."""
-    names = list(reversed(series())) if reverse else series()
-    for name in names:
-        subprocess.run(["patch", "-p1", "-s", "--batch", "--no-backup-if-mismatch",
-                        *(["-R"] if reverse else []), "-d", str(root), "-i", str(PATCHES / name)],
-                       check=True, timeout=60)
+def touched() -> list[str]:
+    """Site-relative paths the patches change, read directly from their headers."""
+    lines = "".join((PATCHES / name).read_text() for name in series()).splitlines()
+    return sorted({line[6:].split()[0] for line in lines if line.startswith("+++ b/")})
+
+
+def released_record() -> dict[str, str]:
+    """Hex sha256 of every released file, as pip recorded it when installing the wheel."""
+    dist = importlib.metadata.distribution("trinity-rft")
+    hashes = {str(f): f.hash.value for f in dist.files or [] if f.hash and f.hash.mode == "sha256"}
+    return {rel: base64.urlsafe_b64decode(value + "==").hex() for rel, value in hashes.items()}
 
 
 def package_files(site: Path) -> list[str]:
     """Site-relative paths of every file and link in the scratch trinity package."""
     found = []
     for dirpath, dirnames, filenames in os.walk(site / "trinity"):
-        found += [str(Path(dirpath, n).relative_to(site)) for n in filenames]
-        found += [str(Path(dirpath, n).relative_to(site)) for n in dirnames
-                  if Path(dirpath, n).is_symlink()]
+        links = [n for n in dirnames if Path(dirpath, n).is_symlink()]
+        found += [str(Path(dirpath, n).relative_to(site)) for n in filenames + links]
     return sorted(found)
 
 
 def snapshot(site: Path, with_times: bool = True) -> dict[str, tuple]:
-    """Content (or link target) and, optionally, mtime of everything in the package: two
-    equal snapshots mean nothing was touched."""
+    """Content (or link target) and, optionally, mtime of everything in the package."""
     state = {}
     for rel in package_files(site):
         path = site / rel
@@ -78,67 +70,56 @@ def snapshot(site: Path, with_times: bool = True) -> dict[str, tuple]:
     return state
 
 
-def write_metadata(site: Path, version: str) -> None:
-    """A minimal dist-info, all the tool reads to learn the installed version."""
-    dist_info = site / "trinity_rft-0.6.0.dist-info"
-    dist_info.mkdir(exist_ok=True)
-    (dist_info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: trinity-rft\nVersion: {version}\n")
-
-
 def tool(*args: str | Path) -> subprocess.CompletedProcess:
     """Run the CLI the way the Makefile does, in a fresh interpreter."""
-    return subprocess.run([sys.executable, str(TOOL), *map(str, args)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, str(TOOL), *map(str, args)], capture_output=True, text=True, timeout=60
+    )
 
 
-def overlay_modules() -> list[str]:
-    """Site-relative paths of our own modules in the repo."""
-    return sorted(str(p.relative_to(REPO)) for p in (REPO / "trinity").rglob("*.py")
-                  if "__pycache__" not in p.parts)
-
-
-def not_released(directory: str, names: list[str]) -> list[str]:
-    """copytree filter: bytecode caches and symlinks (our overlay) are not part of a release."""
-    return [n for n in names if n == "__pycache__" or os.path.islink(os.path.join(directory, n))]
+def modules(overlay: Path = REPO / "trinity") -> list[str]:
+    """Site-relative paths of our own modules."""
+    found = [p for p in overlay.rglob("*.py") if "__pycache__" not in p.parts]
+    return sorted(str(p.relative_to(overlay.parent)) for p in found)
 
 
 @pytest.fixture(scope="session")
 def released(tmp_path_factory) -> Path:
     """A site directory holding the released trinity-rft 0.6.0 package (see module doc)."""
     dist = importlib.metadata.distribution("trinity-rft")
-    record = {str(f): f.hash.value for f in dist.files or [] if f.hash and f.hash.mode == "sha256"}
-    site = tmp_path_factory.mktemp("released")
-    shutil.copytree(Path(dist.locate_file("trinity")), site / "trinity", ignore=not_released)
-    files = package_files(site)
-    if any(record.get(rel) != record_form(sha256(site / rel)) for rel in files):
-        plain_patch(site, reverse=True)
-    differ = [rel for rel in files if record.get(rel) != record_form(sha256(site / rel))]
+    record, site = released_record(), tmp_path_factory.mktemp("released")
+    shutil.copytree(Path(str(dist.locate_file("trinity"))), site / "trinity", symlinks=True)
+    info = Path(str(dist.locate_file(f"trinity_rft-{dist.version}.dist-info")))
+    shutil.copytree(info, site / info.name)
+    for rel in package_files(site):
+        if rel not in record:
+            (site / rel).unlink()
+    if any(sha256(site / rel) != record[rel] for rel in touched()):
+        for name in reversed(series()):
+            cmd = ["patch", "-p1", "-s", "-R", "-f", "--no-backup-if-mismatch", "-d", str(site)]
+            subprocess.run([*cmd, "-i", str(PATCHES / name)], check=True, timeout=60)
+    differ = [rel for rel in package_files(site) if sha256(site / rel) != record[rel]]
     assert not differ, f"cannot rebuild the released files from the installed ones: {differ}"
-    write_metadata(site, "0.6.0")
     return site
 
 
 @pytest.fixture
 def site(released: Path, tmp_path: Path) -> Path:
     """A private, writable copy of the released package for one test."""
-    copy = tmp_path / "site"
-    shutil.copytree(released, copy, symlinks=True)
-    return copy
+    shutil.copytree(released, tmp_path / "site", symlinks=True)
+    return tmp_path / "site"
 
 
-def test_apply_patches_files_and_links_our_modules(site: Path) -> None:
+def test_apply_patches_files_and_installs_our_modules_as_files(site: Path) -> None:
+    record = released_record()
     result = tool("apply", "--site", site)
     assert result.returncode == 0, result.stderr
-    for rel, expected in MANIFEST["files"].items():
-        assert sha256(site / rel) == expected["patched"], rel
+    assert all(sha256(site / rel) != record[rel] for rel in touched())
     assert "runtime_keys" in (site / LOSS_FN).read_text()
-    modules = overlay_modules()
-    assert modules, "the repo's trinity/ tree holds no modules to link"
-    for rel in modules:
-        link = site / rel
-        assert link.is_symlink(), rel
-        assert Path(os.readlink(link)) == REPO / rel
+    assert modules(), "the repo's trinity/ tree holds no modules to install"
+    for rel in modules():
+        assert not (site / rel).is_symlink(), rel
+        assert (site / rel).read_bytes() == (REPO / rel).read_bytes(), rel
 
 
 def test_apply_twice_is_a_noop(site: Path) -> None:
@@ -146,15 +127,16 @@ def test_apply_twice_is_a_noop(site: Path) -> None:
     before = snapshot(site)
     result = tool("apply", "--site", site)
     assert result.returncode == 0, result.stderr
-    assert "already applied" in result.stdout
+    assert "already patched" in result.stdout and "0 of them copied" in result.stdout
     assert snapshot(site) == before
 
 
 def test_refuses_another_trinity_version(site: Path) -> None:
-    write_metadata(site, "0.5.1")
+    metadata = site / "trinity_rft-0.6.0.dist-info" / "METADATA"
+    metadata.write_text(metadata.read_text().replace("Version: 0.6.0", "Version: 0.5.1", 1))
     before = snapshot(site)
     result = tool("apply", "--site", site)
-    assert result.returncode != 0
+    assert result.returncode == 1
     assert "0.5.1" in result.stderr and "0.6.0" in result.stderr
     assert "Traceback" not in result.stderr
     assert snapshot(site) == before
@@ -162,45 +144,36 @@ def test_refuses_another_trinity_version(site: Path) -> None:
 
 @pytest.mark.parametrize("command", ["apply", "revert"])
 def test_refuses_a_locally_modified_file(site: Path, command: str) -> None:
-    rel = "trinity/trainer/verl/losses.py"
-    with open(site / rel, "a") as handle:
+    with open(site / LOSSES, "a") as handle:
         handle.write("# local edit\n")
     before = snapshot(site)
     result = tool(command, "--site", site)
     assert result.returncode == 1
-    assert rel in result.stderr and sha256(site / rel) in result.stderr
-    assert MANIFEST["files"][rel]["upstream"] in result.stderr
+    assert LOSSES in result.stderr and sha256(site / LOSSES) in result.stderr
+    assert released_record()[LOSSES] in result.stderr
     assert "Traceback" not in result.stderr
     assert snapshot(site) == before
 
 
-def test_revert_restores_the_release_and_unlinks(site: Path) -> None:
+def test_refuses_a_partly_applied_series(site: Path) -> None:
+    subprocess.run(
+        ["patch", "-p1", "-s", "-d", str(site), "-i", str(PATCHES / series()[0])], check=True
+    )
+    before = snapshot(site)
+    result = tool("apply", "--site", site)
+    assert result.returncode == 1
+    assert f"patched   {LOSS_FN}" in result.stderr and f"released  {LOSSES}" in result.stderr
+    assert snapshot(site) == before
+
+
+def test_revert_restores_the_release_byte_for_byte(site: Path) -> None:
     released = snapshot(site, with_times=False)
     assert tool("apply", "--site", site).returncode == 0
     assert snapshot(site, with_times=False) != released
     result = tool("revert", "--site", site)
     assert result.returncode == 0, result.stderr
-    for rel, expected in MANIFEST["files"].items():
-        assert sha256(site / rel) == expected["upstream"], rel
-    # Same bytes everywhere and nothing left over: no links, no temporary files.
+    # Same bytes everywhere and nothing left over: no modules, no record, no temporary files.
     assert snapshot(site, with_times=False) == released
-
-
-def test_manifest_agrees_with_the_series(site: Path, tmp_path: Path) -> None:
-    staged = tmp_path / "staged"
-    shutil.copytree(site, staged, symlinks=True)
-    plain_patch(staged, reverse=False)
-    changed = [rel for rel in package_files(site) if sha256(site / rel) != sha256(staged / rel)]
-    assert MANIFEST["version"] == "0.6.0"
-    assert [entry["patch"] for entry in MANIFEST["series"]] == series()
-    assert [entry["sha256"] for entry in MANIFEST["series"]] == [
-        sha256(PATCHES / name) for name in series()]
-    assert MANIFEST["files"] == {
-        rel: {"upstream": sha256(site / rel), "patched": sha256(staged / rel)} for rel in changed}
-    # The maintainer command reproduces the committed manifest exactly.
-    result = tool("manifest", "--pristine", site, "--output", tmp_path / "manifest.json")
-    assert result.returncode == 0, result.stderr
-    assert (tmp_path / "manifest.json").read_text() == (PATCHES / "manifest.json").read_text()
 
 
 def test_refuses_to_shadow_an_upstream_module(site: Path, tmp_path: Path) -> None:
@@ -210,9 +183,38 @@ def test_refuses_to_shadow_an_upstream_module(site: Path, tmp_path: Path) -> Non
     before = snapshot(site)
     result = tool("apply", "--site", site, "--overlay", shadow.parents[2])
     assert result.returncode == 1
-    assert "trinity/algorithm/policy_loss_fn/ppo_policy_loss.py" in result.stderr
+    assert "trinity/algorithm/policy_loss_fn/ppo_policy_loss.py (blocked)" in result.stderr
     # The clash is found before patching, so the released files stay as they were.
     assert snapshot(site) == before
+
+
+def test_refuses_to_overwrite_an_installed_copy_edited_in_place(site: Path) -> None:
+    assert tool("apply", "--site", site).returncode == 0
+    rel = modules()[0]
+    with open(site / rel, "a") as handle:
+        handle.write("# edited in site-packages\n")
+    result = tool("apply", "--site", site)
+    assert result.returncode == 1
+    assert f"{rel} (modified)" in result.stderr
+    assert (site / rel).read_text().endswith("# edited in site-packages\n")
+
+
+def test_apply_recopies_changed_modules_and_drops_removed_ones(site: Path, tmp_path: Path) -> None:
+    ours = tmp_path / "ours" / "trinity"
+    old = ours / "algorithm" / "policy_loss_fn" / "bapo_old.py"
+    old.parent.mkdir(parents=True)
+    old.write_text("VALUE = 1\n")
+    assert tool("apply", "--site", site, "--overlay", ours).returncode == 0
+    installed = site / "trinity" / "algorithm" / "policy_loss_fn"
+    assert (installed / "bapo_old.py").read_text() == "VALUE = 1\n"
+    old.write_text("VALUE = 2\n")
+    assert tool("apply", "--site", site, "--overlay", ours).returncode == 0
+    assert (installed / "bapo_old.py").read_text() == "VALUE = 2\n"
+    old.rename(old.with_name("bapo_new.py"))
+    result = tool("apply", "--site", site, "--overlay", ours)
+    assert result.returncode == 0, result.stderr
+    assert not (installed / "bapo_old.py").exists()
+    assert (installed / "bapo_new.py").read_text() == "VALUE = 2\n"
 
 
 def test_new_directories_are_created_and_removed(site: Path, tmp_path: Path) -> None:
@@ -222,34 +224,23 @@ def test_new_directories_are_created_and_removed(site: Path, tmp_path: Path) -> 
     module.write_text("VALUE = 1\n")
     released = snapshot(site, with_times=False)
     assert tool("apply", "--site", site, "--overlay", ours).returncode == 0
-    link = site / "trinity" / "contrib" / "bapo_extra" / "helpers.py"
-    assert Path(os.readlink(link)) == module
-    (link.parent / "__pycache__").mkdir()  # as an import would leave behind
-    (link.parent / "__pycache__" / "helpers.cpython-311.pyc").write_bytes(b"")
+    installed = site / "trinity" / "contrib" / "bapo_extra" / "helpers.py"
+    assert installed.read_text() == "VALUE = 1\n"
+    (installed.parent / "__pycache__").mkdir()  # as an import would leave behind
+    (installed.parent / "__pycache__" / "helpers.cpython-311.pyc").write_bytes(b"")
     assert tool("revert", "--site", site, "--overlay", ours).returncode == 0
     assert not (site / "trinity" / "contrib").exists()
     assert snapshot(site, with_times=False) == released
 
 
-def test_apply_drops_links_to_removed_modules(site: Path, tmp_path: Path) -> None:
-    ours = tmp_path / "ours" / "trinity"
-    old = ours / "algorithm" / "policy_loss_fn" / "bapo_old.py"
-    old.parent.mkdir(parents=True)
-    old.write_text("")
-    assert tool("apply", "--site", site, "--overlay", ours).returncode == 0
-    old.rename(old.with_name("bapo_new.py"))
-    result = tool("apply", "--site", site, "--overlay", ours)
-    assert result.returncode == 0, result.stderr
-    linked = site / "trinity" / "algorithm" / "policy_loss_fn"
-    assert not (linked / "bapo_old.py").is_symlink()
-    assert (linked / "bapo_new.py").is_symlink()
-
-
-def test_status_reports_files_and_links(site: Path) -> None:
+def test_status_reports_files_and_modules(site: Path) -> None:
+    result = tool("status", "--site", site)
+    assert result.returncode == 1  # released, nothing installed yet
     assert tool("apply", "--site", site).returncode == 0
     result = tool("status", "--site", site)
-    assert result.returncode == 0, result.stderr
-    for rel in MANIFEST["files"]:
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rel in touched():
         assert f"patched   {rel}" in result.stdout
-    for rel in overlay_modules():
-        assert f"linked    {rel} -> {REPO / rel}" in result.stdout
+    for rel in modules():
+        assert f"installed {rel}" in result.stdout
+    assert (site / RECORD).is_file()
