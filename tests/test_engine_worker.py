@@ -1,0 +1,132 @@
+"""From a Trinity YAML file to BAPO's decision, through Trinity's actor worker (CPU, gloo).
+
+The worker (``dist_workers/engine_worker_checks.py``) loads the YAML below with Trinity's
+``load_config``, builds verl's config with ``build_verl_config``, starts
+``TrinityActorRolloutRefWorker`` on 2 ranks (verl's ``TrainingWorker`` and FSDP2 engine inside),
+lets ``set_trinity_config`` install ``TrinityPolicyLoss`` and runs one ``update_actor``; only the
+Ray dispatch is bypassed. The run uses the trainer's dynamic batch sizes
+(``use_dynamic_bsz: true``), so the engine packs micro-batches by token count and makes their
+number equal over the data-parallel group.
+
+Checked: the YAML's ``sync_across_dp`` is what the loss uses; with it on, every loss call gets
+the engine's group and both ranks pick the same pair at every call; with it off they differ on
+the same data; the ``actor/bapo_*`` metrics come back from ``update_actor``.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+from test_bapo_distributed import torchrun
+
+WORKER = Path(__file__).resolve().parent / "dist_workers" / "engine_worker_checks.py"
+LAUNCH_TIMEOUT_S = 300  # a launch takes 30-60 s here; beyond this something hangs
+RANKS = 2
+BAPO_METRICS = ("bapo_clip_low", "bapo_clip_high", "bapo_positive_contribution",
+                "bapo_target_met", "bapo_search_steps", "bapo_nonfinite_tokens")  # fmt: skip
+
+# The model settings a CPU needs (eager attention, fp32, no torch.compile, no tokenizer in the
+# tiny model's folder) go through trainer_config, Trinity's way of overriding verl's config.
+CONFIG = """\
+mode: train
+project: bapo-engine-test
+name: config-path
+checkpoint_root_dir: {root}/checkpoints
+algorithm:
+  algorithm_type: bapo
+  repeat_times: 4
+  policy_loss_fn_args:
+    contribution: gradient
+    sync_across_dp: {sync}
+model:
+  model_path: {root}/model
+  max_response_tokens: 6
+  max_model_len: 12
+cluster:
+  node_num: 1
+  gpu_per_node: {ranks}
+buffer:
+  total_epochs: 1
+  batch_size: 4
+  train_batch_size: 16
+trainer:
+  trainer_type: verl
+  trainer_strategy: fsdp2
+  use_dynamic_bsz: true
+  max_token_len_per_gpu: 40
+  trainer_config:
+    model:
+      use_remove_padding: false
+      load_tokenizer: false
+      enable_gradient_checkpointing: false
+      override_config:
+        attn_implementation: eager
+    actor:
+      use_torch_compile: false
+      fsdp_config:
+        mixed_precision:
+          param_dtype: fp32
+          reduce_dtype: fp32
+          buffer_dtype: fp32
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One update_actor per value of sync_across_dp written in the YAML."""
+    results = {}
+    for sync in (True, False):
+        root = tmp_path_factory.mktemp(f"sync_{sync}")
+        path = root / "config.yaml"
+        path.write_text(CONFIG.format(root=root, sync=str(sync).lower(), ranks=RANKS))
+        code, _, err, seconds = torchrun(RANKS, [WORKER, "--out", root, "--config", path],
+                                         timeout_s=LAUNCH_TIMEOUT_S)  # fmt: skip
+        records = [json.loads(p.read_text()) if p.exists() else None
+                   for p in (root / f"rank{r}.json" for r in range(RANKS))]  # fmt: skip
+        problems = [f"rank {r}: " + (rec["error"] if rec else "no result")
+                    for r, rec in enumerate(records) if rec is None or "error" in rec]  # fmt: skip
+        status = "timed out" if code is None else f"exit code {code}"
+        assert code == 0 and not problems, (
+            f"sync={sync}: {status} after {seconds:.0f} s\n" + "\n".join(problems) + err[-3000:]
+        )
+        results[sync] = records
+    return results
+
+
+def pairs_per_call(records):
+    calls = [record["calls"] for record in records]
+    assert len({len(c) for c in calls}) == 1 and calls[0], "ranks made different call counts"
+    return [[tuple(call["pair"]) for call in per_call] for per_call in zip(*calls)]
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_yaml_flag_reaches_the_loss_with_the_engine_group(runs, sync):
+    for record in runs[sync]:
+        assert record["loss_class"] == "TrinityPolicyLoss"
+        assert record["engine_group"] == list(range(RANKS))
+        for call in record["calls"]:
+            assert call["sync_across_dp"] is sync
+            assert call["group_ranks"] == record["engine_group"]
+
+
+def test_sync_on_ranks_agree_at_every_call(runs):
+    pairs = pairs_per_call(runs[True])
+    assert all(len(set(p)) == 1 for p in pairs), pairs
+    assert any(p[0] != (0.6, 1.2) for p in pairs), "the search never moved: agreement is trivial"
+
+
+def test_sync_off_ranks_differ(runs):
+    pairs = pairs_per_call(runs[False])
+    assert any(len(set(p)) > 1 for p in pairs), pairs
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_update_actor_returns_the_bapo_metrics(runs, sync):
+    """verl gathers each call's metrics over the group: one entry per rank and call."""
+    records = runs[sync]
+    metrics = records[0]["metrics"]
+    for name in BAPO_METRICS:
+        assert len(metrics[f"actor/{name}"]) == RANKS * len(records[0]["calls"]), name
+    logged = sorted(zip(metrics["actor/bapo_clip_low"], metrics["actor/bapo_clip_high"]))
+    used = sorted(tuple(call["pair"]) for record in records for call in record["calls"])
+    assert logged == used
