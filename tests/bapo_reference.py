@@ -46,10 +46,15 @@ def rho(
             elif a < 0:
                 neg += -a * max(r, c_low)
         else:  # gradient: weight |A| r while the loss still depends on logp
-            if a > 0 and r < c_high:
+            # A ratio on a bound keeps its gradient (torch.clamp is inclusive); on the dual
+            # clip, torch.min gives each side of the tie half of it.
+            if a > 0 and r <= c_high:
                 pos += a * r
-            elif a < 0 and r > c_low and (clip_ratio_c is None or r <= clip_ratio_c):
-                neg += -a * r
+            elif a < 0 and r >= c_low:
+                if clip_ratio_c is None or r < clip_ratio_c:
+                    neg += -a * r
+                elif r == clip_ratio_c:
+                    neg += -a * r / 2
     return 1.0 if pos + neg == 0 else pos / (pos + neg)
 
 

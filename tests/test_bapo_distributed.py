@@ -34,8 +34,8 @@ WORKER = Path(__file__).resolve().parent / "dist_workers" / "bapo_checks.py"
 DP_CHECK_SCRIPT = REPO / "scripts" / "bapo_dp_check.py"
 LAUNCH_TIMEOUT_S = 150  # a launch takes 10-30 s here; beyond this something hangs
 
-BASE_CHECKS = ["group_none", "oracle", "trinity", "sync_off", "nonfinite", "gradient"]
-CHECKS_BY_WORLD = {2: BASE_CHECKS, 3: BASE_CHECKS + ["subgroup"], 4: BASE_CHECKS}
+BASE_CHECKS = ["group_none", "oracle", "trinity", "sync_off", "nonfinite", "gradient", "mismatch"]
+CHECKS_BY_WORLD = {2: BASE_CHECKS, 3: BASE_CHECKS + ["subgroup", "nonmember"], 4: BASE_CHECKS}
 WORLDS = sorted(CHECKS_BY_WORLD)
 ALL_REDUCE = "c10d.allreduce_.default"
 
@@ -388,6 +388,38 @@ def test_size_one_group_is_local_and_silent(launches, backend):
         want = oracle(tokens_of(result[0]["data"]), name)
         assert got_choice(solo[name]["metrics"]) == want, name
         assert solo[name]["collectives"] == [], name
+
+
+@with_backend
+def test_rank_outside_the_group_raises(launches, backend):
+    """A rank that passes a group it is not in gets a clear error, not a silent solo search."""
+    result = launches.check(SUBGROUP_WORLD, backend, "nonmember")
+    assert "result" in result[0] and "result" in result[1], result[:2]
+    assert result[2].get("raised") == "RuntimeError", result[2]
+    assert "not a member of the dp_group" in result[2]["message"], result[2]
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@with_backend
+@pytest.mark.parametrize("world", WORLDS)
+def test_ranks_with_different_settings_raise_everywhere(launches, world, backend):
+    """One setting changed on the last rank: every rank raises, naming BAPO's settings.
+
+    The control, where every rank has the same settings, must run through and agree.
+    """
+    result = launches.check(world, backend, "mismatch")
+    control = [rank_result["same"] for rank_result in result]
+    assert all("result" in outcome for outcome in control), control
+    assert len({got_choice(outcome["result"]["metrics"]) for outcome in control}) == 1
+    for variant in result[0]:
+        if variant == "same":
+            continue
+        for rank, rank_result in enumerate(result):
+            outcome = rank_result[variant]
+            assert outcome.get("raised") == "RuntimeError", (variant, rank, outcome)
+            assert "differ between the ranks" in outcome["message"], (variant, rank, outcome)
 
 
 # --------------------------------------------------------------------------- sync off

@@ -262,8 +262,8 @@ def test_gradient_contribution_equals_autograd(clip_ratio_c):
 
     search = BoundSearch(lower, upper, 0.4, "upper_first", "gradient", clip_ratio_c)
     sums = search.local_sums(ratio, adv, mask.bool(), torch.ones(shape, dtype=torch.bool))
-    positive, negative = sums[: len(upper)], sums[len(upper) : -1]
-    assert sums[-1] == 0
+    positive, negative, nonfinite = search.parts(sums)
+    assert nonfinite == 0
     for i, c_low in enumerate(lower):
         for j, c_high in enumerate(upper):
             p, n = _autograd_contributions(logprob, old, mask, adv, c_low, c_high, clip_ratio_c)
@@ -282,13 +282,14 @@ def test_surrogate_contribution_equals_eq8():
     search = BoundSearch(lower, upper, 0.4, "lower_first", "surrogate", 3.0)
     sums = search.local_sums(ratio, adv, mask, torch.ones(shape, dtype=torch.bool))
     live_pos, live_neg = mask & (adv > 0), mask & (adv < 0)
+    positive, negative, nonfinite = search.parts(sums)
     for j, c_high in enumerate(upper):
         p = (adv * torch.clamp(ratio, max=c_high))[live_pos].sum().item()
-        assert sums[j].item() == pytest.approx(p, rel=1e-12)
+        assert positive[j].item() == pytest.approx(p, rel=1e-12)
     for i, c_low in enumerate(lower):
         n = (-adv * torch.clamp(ratio, min=c_low))[live_neg].sum().item()
-        assert sums[len(upper) + i].item() == pytest.approx(n, rel=1e-12)
-    assert math.isclose(sums[-1].item(), 0.0)
+        assert negative[i].item() == pytest.approx(n, rel=1e-12)
+    assert math.isclose(nonfinite.item(), 0.0)
 
 
 def test_local_sums_leave_float64_inputs_untouched():

@@ -101,8 +101,7 @@ def main() -> None:
 
     def ours():
         sums = search.local_sums(ratio, adv, mask, finite)
-        reduce_contribution_sums(sums, group, True)
-        return search.decide(sums)
+        return search.decide(sums, reduce_contribution_sums(sums, group, True))
 
     contenders = {
         "literal": lambda: literal_search(ratio, adv, mask, PAPER, all_reduce=all_reduce),

@@ -242,6 +242,50 @@ def check_sync_off(ctx):
     return {"data": common.case_to_lists(data), "runs": runs}
 
 
+# One setting changed on the last rank; "same" is the control where nothing differs.
+MISMATCHES = {
+    "same": {},
+    "target": {"positive_contribution_target": 0.45},
+    "search_order": {"search_order": "lower_first"},
+    "contribution": {"contribution": "gradient"},
+    "clip_ratio_c": {"clip_ratio_c": 2.0},
+    "grid_same_length": {"ratio_upper_start": 1.25, "ratio_upper_max": 3.05},
+    "grid_other_length": {"ratio_upper_max": 2.0},
+}
+
+
+def _outcome(call):
+    """The call's metrics, or the type and message of what it raised."""
+    try:
+        return {"result": call()}
+    except Exception as error:  # recorded for the driver, which decides what was expected
+        return {"raised": type(error).__name__, "message": str(error)}
+
+
+def check_mismatch(ctx):
+    """Ranks configured differently meet in the one all-reduce; each variant is one call."""
+    data = common.make_case("mixed", ctx.rank, ctx.world, ctx.seed)
+    out = {}
+    for variant, change in MISMATCHES.items():
+        kwargs = common.loss_kwargs("paper_upper_surrogate")
+        if ctx.rank == ctx.world - 1:
+            kwargs.update(change)
+        loss_fn = BAPOPolicyLossFn(**kwargs)
+        out[variant] = _outcome(lambda: call_bapo(ctx, loss_fn, data, dist.group.WORLD))
+    dist.barrier()
+    return out
+
+
+def check_nonmember(ctx):
+    """Rank 2 passes the group {0, 1}, which it does not belong to; 0 and 1 use it rightly."""
+    pair_group = dist.new_group([0, 1])
+    data = common.make_case("mixed", ctx.rank, ctx.world, ctx.seed)
+    loss_fn = BAPOPolicyLossFn(**common.loss_kwargs("paper_upper_surrogate"))
+    out = _outcome(lambda: call_bapo(ctx, loss_fn, data, pair_group))
+    dist.barrier()
+    return out
+
+
 NAN_UNMASKED = 2  # NaN log-probs placed on unmasked tokens of the last rank
 
 
@@ -325,6 +369,8 @@ CHECKS = {
     "sync_off": check_sync_off,
     "nonfinite": check_nonfinite,
     "gradient": check_gradient,
+    "mismatch": check_mismatch,
+    "nonmember": check_nonmember,
 }
 
 

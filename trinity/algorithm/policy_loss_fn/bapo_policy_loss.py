@@ -11,14 +11,14 @@ The search itself lives in ``bapo_search`` (pure tensors) and the data-parallel 
 """
 
 import math
-from decimal import Decimal
+import numbers
 from typing import Dict, Optional, Tuple
 
 import torch
 
 from trinity.algorithm.policy_loss_fn.bapo_search import (
     CONTRIBUTIONS,
-    MAX_CANDIDATES,
+    LOG_RATIO_CLAMP,
     SEARCH_ORDERS,
     BoundSearch,
     candidate_grid,
@@ -33,6 +33,10 @@ LOSS_AGG_MODES = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
+# The loss compares ratios with the bounds in the model's precision, so a bound must survive
+# the cast to float32 (bfloat16 has the same range): no underflow to 0, no overflow to inf.
+SMALLEST_BOUND = float(torch.finfo(torch.float32).tiny)
+LARGEST_BOUND = float(torch.finfo(torch.float32).max)
 
 
 def _require(condition: bool, name: str, allowed: str, value) -> None:
@@ -41,37 +45,22 @@ def _require(condition: bool, name: str, allowed: str, value) -> None:
 
 
 def _number(name: str, value) -> float:
-    is_real = isinstance(value, (int, float)) and not isinstance(value, bool)
+    """Any finite real number (Python, numpy or a 0-d tensor's ``item()``), as a float."""
+    is_real = isinstance(value, numbers.Real) and not isinstance(value, bool)
     _require(is_real and math.isfinite(value), name, "a finite number", value)
     return float(value)
 
 
-def _lower_bound_ok(value: float) -> bool:
-    return 0.0 < value <= 1.0
-
-
-def _upper_bound_ok(value: float) -> bool:
-    return value >= 1.0
-
-
-def _checked_range(prefix: str, start, maximum, step, bound_ok, allowed: str, cap: bool):
-    """Validate one movable range and return its exact candidate grid."""
-    start, maximum = _number(f"{prefix}_start", start), _number(f"{prefix}_max", maximum)
-    step = _number(f"{prefix}_step", step)
-    for name, value in ((f"{prefix}_start", start), (f"{prefix}_max", maximum)):
-        _require(bound_ok(value), name, allowed, value)
-    _require(start <= maximum, f"{prefix}_start", f"<= {prefix}_max ({maximum})", start)
+def _movable_range(prefix: str, values, smallest: float, largest: float, allowed: str, cap: bool):
+    """Validate one movable range (start, max, step) and return its exact candidate grid."""
+    names = (f"{prefix}_start", f"{prefix}_max", f"{prefix}_step")
+    start, maximum, step = (_number(name, value) for name, value in zip(names, values))
+    for name, value in zip(names, (start, maximum)):
+        _require(smallest <= value <= largest, name, allowed, value)
+    _require(start <= maximum, names[0], f"<= {names[1]} ({maximum})", start)
     if start < maximum:
-        _require(step > 0, f"{prefix}_step", "> 0 when the range is not a point", step)
-        steps = (Decimal(repr(maximum)) - Decimal(repr(start))) / Decimal(repr(step))
-        count = int(steps) + 1 + int(cap and steps != int(steps))  # the capped max adds one
-        _require(
-            count <= MAX_CANDIDATES,
-            f"{prefix}_step",
-            f"large enough for at most {MAX_CANDIDATES} candidates in [{start}, {maximum}]",
-            step,
-        )
-    return candidate_grid(start, maximum, step, cap)
+        _require(step > 0, names[2], "> 0 when the range is not a point", step)
+    return candidate_grid(start, maximum, step, cap, name=names[2])
 
 
 class BAPOPolicyLossFn(PolicyLossFn):
@@ -116,14 +105,22 @@ class BAPOPolicyLossFn(PolicyLossFn):
             isinstance(sync_across_dp, bool), "sync_across_dp", "true or false", sync_across_dp
         )
         cap = search_order == "lower_first"
-        lower = _checked_range(
-            "ratio_lower", ratio_lower_start, ratio_lower_max, ratio_lower_step,
-            _lower_bound_ok, "in (0, 1]", cap,
-        )  # fmt: skip
-        upper = _checked_range(
-            "ratio_upper", ratio_upper_start, ratio_upper_max, ratio_upper_step,
-            _upper_bound_ok, "a ratio >= 1", cap,
-        )  # fmt: skip
+        lower = _movable_range(
+            "ratio_lower",
+            (ratio_lower_start, ratio_lower_max, ratio_lower_step),
+            SMALLEST_BOUND,
+            1.0,
+            f"in (0, 1] and at least {SMALLEST_BOUND:.3g} (the smallest normal float32)",
+            cap,
+        )
+        upper = _movable_range(
+            "ratio_upper",
+            (ratio_upper_start, ratio_upper_max, ratio_upper_step),
+            1.0,
+            LARGEST_BOUND,
+            f"a ratio >= 1 and at most {LARGEST_BOUND:.3g} (the largest float32)",
+            cap,
+        )
         self.search = BoundSearch(lower, upper, target, search_order, contribution, clip_ratio_c)
         self.clip_ratio_c = clip_ratio_c
         self.loss_agg_mode = loss_agg_mode
@@ -145,17 +142,20 @@ class BAPOPolicyLossFn(PolicyLossFn):
                 f"got {tuple(logprob.shape)}, {tuple(old_logprob.shape)}, "
                 f"{tuple(action_mask.shape)}, {tuple(advantages.shape)}"
             )
-        mask = action_mask.bool()
-        raw_log_ratio = logprob - old_logprob
-        log_ratio = torch.clamp(raw_log_ratio, min=-20.0, max=20.0)
+        # Masked tokens take part in nothing: zeroed before any arithmetic, so that even a NaN
+        # there reaches neither the loss nor its gradient. Live tokens see PPO's exact values.
+        live = action_mask != 0
+        raw_log_ratio = torch.where(live, logprob - old_logprob, 0.0)
+        advantages = torch.where(live, advantages, 0.0)
+        log_ratio = torch.clamp(raw_log_ratio, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
         ratio = torch.exp(log_ratio)
         # One test covers all three inputs: NaN and +-inf survive the sum (inf - inf is NaN),
         # while the clamp above would hide an infinite log-prob inside a finite ratio.
         finite = torch.isfinite(raw_log_ratio.detach() + advantages)
 
-        sums = self.search.local_sums(ratio, advantages, mask, finite)
-        reduce_contribution_sums(sums, dp_group, self.sync_across_dp)
-        choice = self.search.decide(sums)
+        sums = self.search.local_sums(ratio, advantages, action_mask, finite)
+        ranks = reduce_contribution_sums(sums, dp_group, self.sync_across_dp)
+        choice = self.search.decide(sums, ranks)
 
         pg_loss, clip_metrics = self._clipped_loss(
             ratio, advantages, action_mask, choice.clip_low, choice.clip_high
@@ -183,21 +183,18 @@ class BAPOPolicyLossFn(PolicyLossFn):
     ) -> Tuple[torch.Tensor, Dict]:
         """PPO's clipped surrogate with explicit bounds, plus PPO's dual clip for A < 0.
 
-        The loss uses ``PPOPolicyLossFn``'s expressions, so with both ranges collapsed to
-        points it and its gradient are PPO's exactly. The clip fractions are counted directly
-        rather than through ``masked_mean``: the counts are exact either way, so the values are
-        PPO's too, for fewer passes over the tokens.
+        The expressions and metrics are ``PPOPolicyLossFn``'s, so with both ranges collapsed
+        to points the loss, its gradient and the clip fractions are PPO's exactly.
         """
         unclipped = -advantages * ratio
         clipped = -advantages * torch.clamp(ratio, low, high)
         losses = torch.maximum(unclipped, clipped)
-        live, tokens = mask.bool(), mask.sum() + 1e-8  # masked_mean's denominator
-        clipfrac = (torch.gt(clipped, unclipped) & live).sum() / tokens
+        clipfrac = masked_mean(torch.gt(clipped, unclipped).float(), mask)
         clipfrac_lower = torch.zeros((), device=ratio.device)
         if self.clip_ratio_c is not None:
             dual = -advantages * self.clip_ratio_c
             negative = advantages < 0
-            clipfrac_lower = (torch.gt(losses, dual) & negative & live).sum() / tokens
+            clipfrac_lower = masked_mean(torch.gt(losses, dual) * negative.float(), mask)
             losses = torch.where(negative, torch.min(dual, losses), losses)
         loss = aggregate_loss(losses, mask, loss_agg_mode=self.loss_agg_mode)
         return loss, {

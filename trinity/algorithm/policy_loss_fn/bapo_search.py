@@ -4,44 +4,57 @@ The search is split in two pure steps so that data-parallel ranks can meet in be
 
 1. ``BoundSearch.local_sums`` makes one pass over the tokens and returns, for every candidate
    bound, the positive contribution P (one value per upper candidate) and the negative
-   contribution N (one value per lower candidate), plus a count of non-finite tokens, all in one
-   float64 vector. P depends only on ``c_high`` and N only on ``c_low`` (see
-   ``shared/bapo-notes.md``), so the vector has ``len(upper) + len(lower) + 1`` entries and no
-   tokens x candidates tensor is ever built.
+   contribution N (one value per lower candidate) in one float64 vector. P depends only on
+   ``c_high`` and N only on ``c_low`` (Eq. 8 of the paper), so no tokens x candidates tensor
+   is ever built.
 2. ``BoundSearch.decide`` walks the candidate path of Algorithm 1 (or the authors' order) on
    the host over those sums. Summing the vectors of several ranks before this step gives the
    decision one process would take on the union of their tokens.
 """
 
+import hashlib
 import math
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from trinity.algorithm.policy_loss_fn.bapo_edges import EdgeCounter
-
 SEARCH_ORDERS = ("upper_first", "lower_first")
 CONTRIBUTIONS = ("surrogate", "gradient")
+LOG_RATIO_CLAMP = 20.0  # the loss clamps log r to [-20, 20], as PPOPolicyLossFn does
 MAX_CANDIDATES = 10_000  # per range; guards against a step so small the grid explodes
-RATIO_RANGE = (math.exp(-20.0), math.exp(20.0))  # the loss clamps log r to [-20, 20]
+HEADER = 3  # fingerprint, its square, non-finite token count
+SYNC_LENGTH = HEADER + 2 * MAX_CANDIDATES  # every rank reduces this many values, whatever its grid
 
 
-def candidate_grid(start: float, maximum: float, step: float, cap_at_max: bool) -> List[float]:
+def candidate_grid(
+    start: float, maximum: float, step: float, cap_at_max: bool, name: str = "step"
+) -> List[float]:
     """Exact candidates ``start + k * step`` with ``k = 0, 1, ...`` that do not pass ``maximum``.
 
     Decimal arithmetic on the values as written avoids the float trap (0.6 + 15 * 0.02 must be
     0.90, not 0.8999...). ``cap_at_max`` appends ``maximum`` when it is not on the grid, as the
     authors' ``min(c + step, max)`` update does; Algorithm 1 never overshoots and so never does.
+    Raises ``ValueError`` naming ``name`` when the grid is too long or its points are closer
+    together than float resolution.
     """
     a, b, d = Decimal(repr(start)), Decimal(repr(maximum)), Decimal(repr(step))
     if a == b:
-        return [float(a)]
+        return [start]
     count = int((b - a) / d) + 1
-    grid = [float(a + k * d) for k in range(count)]
-    if cap_at_max and grid[-1] < float(b):
-        grid.append(float(b))
+    extra = int(cap_at_max and a + (count - 1) * d < b)
+    if count + extra > MAX_CANDIDATES:
+        raise ValueError(
+            f"BAPO: `{name}` must be large enough for at most {MAX_CANDIDATES} candidates "
+            f"in [{start}, {maximum}], got {step!r}"
+        )
+    grid = [float(a + k * d) for k in range(count)] + [maximum] * extra
+    if any(nxt <= prev for prev, nxt in zip(grid, grid[1:])):
+        raise ValueError(
+            f"BAPO: `{name}` must keep the candidates in [{start}, {maximum}] apart as "
+            f"floating-point numbers, got {step!r}"
+        )
     return grid
 
 
@@ -64,10 +77,9 @@ def positive_share(positive: float, negative: float) -> float:
 
 
 def _split_sums(hist: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """For bins h_0..h_K, per edge k the totals of bins <= k and of bins > k."""
-    below = hist.cumsum(0)[:-1]
-    above = hist.flip(0).cumsum(0).flip(0)[1:]
-    return below, above
+    """For bins h_0..h_K, per k < K the totals of bins <= k and of bins > k."""
+    below = hist.cumsum(0)
+    return below[:-1], below[-1] - below[:-1]
 
 
 class BoundSearch:
@@ -80,16 +92,35 @@ class BoundSearch:
         target: float,
         search_order: str,
         contribution: str,
-        clip_ratio_c,
+        clip_ratio_c: Optional[float],
     ):
         self.lower, self.upper = lower, upper
         self.target = target
         self.search_order = search_order
         self.contribution = contribution
         self.clip_ratio_c = clip_ratio_c
-        # Signed axis [-b-, ..., -a-, 0, a+, ..., b+]; its tables are copied to a device once,
-        # since a copy per call from host memory would block on the device stream.
-        self._edges = EdgeCounter([-c for c in reversed(lower)] + [0.0] + list(upper))
+        # An integer in [1, 2**16]: sums of it and its square over up to 2**21 ranks are exact
+        # in float64, so ranks whose settings differ show up in the reduced header.
+        settings = repr((lower, upper, target, search_order, contribution, clip_ratio_c))
+        self.fingerprint = 1 + int.from_bytes(hashlib.sha256(settings.encode()).digest()[:2])
+        self._constants: Dict[Tuple[str, torch.dtype], Tuple[torch.Tensor, ...]] = {}
+
+    def _constants_on(self, ratio: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """(lower, upper, dual clip, fingerprint pair) as float64 on the ratio's device.
+
+        The bounds are rounded to the ratio's dtype first: ``torch.clamp`` compares a ratio with
+        a bound in the ratio's own dtype, so in bfloat16 the bound 1.2 is 1.203125, and a ratio
+        of 1.203125 still carries gradient. Kept per device and dtype, since a copy per call
+        from host memory would wait on the device.
+        """
+        key = (str(ratio.device), ratio.dtype)
+        if key not in self._constants:
+            bounds = self.lower + self.upper + [self.clip_ratio_c or math.inf]
+            rounded = torch.tensor(bounds, dtype=torch.float64).to(ratio.dtype).double()
+            pair = torch.tensor([self.fingerprint, self.fingerprint**2], dtype=torch.float64)
+            parts = (*rounded.split([len(self.lower), len(self.upper), 1]), pair)
+            self._constants[key] = tuple(t.to(ratio.device) for t in parts)
+        return self._constants[key]
 
     def local_sums(
         self,
@@ -98,69 +129,76 @@ class BoundSearch:
         mask: torch.Tensor,
         finite: torch.Tensor,
     ) -> torch.Tensor:
-        """[P per upper candidate | N per lower candidate | non-finite token count], float64.
+        """[fingerprint, its square, non-finite count | P per upper | N per lower], float64.
 
-        ``ratio`` is detached; ``finite`` marks tokens whose inputs are all finite. Masked and
-        non-finite tokens get zero weight (filled, not multiplied, so NaN cannot leak in).
-        Nothing here waits on the device (the edge tables are copied to it once), so it costs no
-        host sync.
+        ``ratio`` is detached; ``finite`` marks tokens whose inputs are all finite. A token
+        weighs ``|A| * mask``, as in the loss's aggregation; masked and non-finite tokens weigh
+        0 (filled, not multiplied, so NaN cannot leak in). Nothing here waits on the device.
 
-        Every token falls in one bin of a signed axis ``x = copysign(r, A)`` cut at
-        ``[-b-, ..., -a-, 0, a+, ..., b+]``: a positive token is placed among the upper
-        candidates, a negative one (at ``-r``) among the lower ones, and the edge at 0 keeps
-        the two sides apart. One count of edges and two 1-D histograms then serve both sides, and
-        prefix sums over the small histograms give every candidate at once.
+        Each token falls in one bin: a negative one by how many lower candidates are at or
+        below its ratio, a positive one (after those bins) by how many upper candidates are
+        below it. Two weighted histograms, and prefix sums over them, give every candidate.
+        A ratio on a bound counts as unclipped, since ``torch.clamp`` passes its gradient.
         """
-        mask, finite = mask.reshape(-1).bool(), finite.reshape(-1)
-        excluded = ~(mask & finite)
+        lower, upper, dual, fingerprint = self._constants_on(ratio)
+        live = (mask != 0).reshape(-1)
+        kept = live & finite.reshape(-1)
+        # A half-precision ratio can overflow to inf; the float64 copy stays inside the clamp.
+        r = ratio.detach().reshape(-1).double().clamp(max=math.exp(LOG_RATIO_CLAMP))
+        r = r.masked_fill(~kept, 0.0)
         adv = advantages.detach().reshape(-1)
-        # In-place steps on few buffers: on CPU each fresh token-sized buffer costs page
-        # faults that outweigh the arithmetic. Copies, so float64 inputs are never aliased.
-        r = ratio.detach().reshape(-1).to(torch.float64, copy=True).masked_fill_(excluded, 0.0)
-        # Back inside the loss's clamp: a half-precision ratio can underflow to 0, and a
-        # negative token at -0.0 would then count on the positive side; or overflow to inf.
-        r.clamp_(*RATIO_RANGE)
-        x = torch.copysign(r, adv)
-        weight = adv.to(torch.float64, copy=True).abs_().masked_fill_(excluded, 0.0)  # |A|
-        edges, n_low = self._edges.edges_on(x.device), len(self.lower)
-        upper, lower = edges[n_low + 1 :], -edges[:n_low].flip(0)  # exact: negation
-        bins = self._edges.count(x)  # number of signed edges <= x
-        weight_r = r.mul_(weight)  # |A| r, reusing r's buffer
+        weight = (adv.double().abs() * mask.reshape(-1).double()).masked_fill(~kept, 0.0)
+        n_low = len(self.lower)
+        bins = torch.where(
+            adv > 0,
+            n_low + 1 + torch.bucketize(r, upper),  # number of c_high < r
+            torch.bucketize(r, lower, right=True),  # number of c_low <= r
+        )
+        weight_r = weight * r
         if self.contribution == "gradient" and self.clip_ratio_c is not None:
-            weight_r.masked_fill_(x < -self.clip_ratio_c, 0.0)  # dual clip: A < 0 has no grad
-        hist_r = weight.new_zeros(edges.numel() + 1).index_add_(0, bins, weight_r)
-        hist_a = weight.new_zeros(edges.numel() + 1).index_add_(0, bins, weight)
+            # Past the dual clip A < 0 has no gradient; on it, torch.min splits it in half.
+            share = torch.where(r > dual, 0.0, torch.where(r == dual, 0.5, 1.0))
+            weight_r = torch.where(adv < 0, weight_r * share, weight_r)
+        size = n_low + len(self.upper) + 2
+        hist_r = torch.bincount(bins, weight_r, minlength=size)
+        hist_w = torch.bincount(bins, weight, minlength=size)
 
-        # A > 0 sits in bin n_low + 1 + #{c_high <= r}. Tokens with r < c_high keep A * r;
-        # under Eq. 8 the others count at c_high.
-        below_r, _ = _split_sums(hist_r[n_low + 1 :])
-        _, above_a = _split_sums(hist_a[n_low + 1 :])
-        positive = below_r
+        # A > 0: tokens with r <= c_high keep A r; under Eq. 8 the others count at c_high.
+        positive, _ = _split_sums(hist_r[n_low + 1 :])
+        _, clipped = _split_sums(hist_w[n_low + 1 :])
+        # A < 0: tokens with r >= c_low keep |A| r; under Eq. 8 the others count at c_low.
+        _, negative = _split_sums(hist_r[: n_low + 1])
+        floored, _ = _split_sums(hist_w[: n_low + 1])
         if self.contribution == "surrogate":
-            positive = positive + upper * above_a
+            positive, negative = positive + upper * clipped, negative + lower * floored
+        nonfinite = (live & ~kept).sum(dtype=torch.float64).reshape(1)
+        return torch.cat([fingerprint, nonfinite, positive, negative])
 
-        # A < 0 sits in bin n_low - #{c_low < r}; flipped, bin k holds #{c_low < r} = k.
-        # Tokens with r > c_low keep |A| r; under Eq. 8 the others count at c_low.
-        _, negative = _split_sums(hist_r[: n_low + 1].flip(0))
-        if self.contribution == "surrogate":
-            below_a, _ = _split_sums(hist_a[: n_low + 1].flip(0))
-            negative = negative + lower * below_a
-
-        nonfinite = (mask & ~finite).sum().to(torch.float64)
-        return torch.cat([positive, negative, nonfinite.reshape(1)])
-
-    def decide(self, sums: torch.Tensor) -> SearchResult:
-        """Walk the candidate path on (possibly all-reduced) sums: one host transfer."""
-        values = sums.tolist()
+    def parts(self, sums):
+        """(P per upper candidate, N per lower candidate, non-finite count) of a sums vector."""
         n_up = len(self.upper)
-        positive, negative = values[:n_up], values[n_up:-1]
-        nonfinite = int(values[-1])
+        return sums[HEADER : HEADER + n_up], sums[HEADER + n_up :], sums[2]
+
+    def decide(self, sums: torch.Tensor, ranks: int = 1) -> SearchResult:
+        """Walk the candidate path on sums over ``ranks`` ranks: one host transfer.
+
+        Raises ``RuntimeError`` when the reduced fingerprint shows that the ranks' settings
+        differ: their sums would not describe one search.
+        """
+        values = sums.tolist()
+        if values[0] != ranks * self.fingerprint or values[1] != ranks * self.fingerprint**2:
+            raise RuntimeError(
+                "BAPO: the policy loss settings (candidate grids, positive_contribution_target, "
+                "search_order, contribution or clip_ratio_c) differ between the ranks of the "
+                "dp_group; every data-parallel rank must use the same policy_loss_fn_args"
+            )
+        positive, negative, nonfinite = self.parts(values)
 
         def rho(i: int, j: int) -> float:
             return positive_share(positive[j], negative[i])
 
         if nonfinite > 0:
-            i, j, steps = 0, 0, 0
+            i = j = steps = 0
         elif self.search_order == "upper_first":
             i, j, steps = self._walk_upper_first(rho)
         else:
@@ -172,7 +210,7 @@ class BoundSearch:
             positive_contribution=share,
             target_met=share >= self.target,
             steps=steps,
-            nonfinite_tokens=nonfinite,
+            nonfinite_tokens=int(nonfinite),
         )
 
     def _walk_upper_first(self, rho) -> Tuple[int, int, int]:

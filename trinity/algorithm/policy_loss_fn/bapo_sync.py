@@ -10,6 +10,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from trinity.algorithm.policy_loss_fn.bapo_search import SYNC_LENGTH
+
 _warned_missing_group = False
 
 
@@ -27,19 +29,28 @@ def _warn_missing_group_once() -> None:
         )
 
 
-def reduce_contribution_sums(sums: torch.Tensor, dp_group, enabled: bool) -> bool:
-    """All-reduce ``sums`` in place over ``dp_group``; return whether a collective ran.
+def reduce_contribution_sums(sums: torch.Tensor, dp_group, enabled: bool) -> int:
+    """All-reduce ``sums`` in place over ``dp_group``; return how many ranks it now sums.
 
     The group given is the group used: with none given nothing is reduced (never WORLD by
-    default), and a warning says so once when several ranks are running.
+    default), and a warning says so once when several ranks are running. Every rank sends
+    ``SYNC_LENGTH`` values whatever its grids, so ranks configured differently still meet in
+    one collective, where the search's fingerprint exposes them.
     """
     if not enabled:
-        return False
+        return 1
     if dp_group is None:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             _warn_missing_group_once()
-        return False
-    if dist.get_world_size(group=dp_group) <= 1:
-        return False
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=dp_group)
-    return True
+        return 1
+    if dist.get_rank(group=dp_group) < 0:
+        raise RuntimeError(
+            f"BAPO: global rank {dist.get_rank()} is not a member of the dp_group passed to the "
+            "policy loss; pass the data-parallel group this rank belongs to"
+        )
+    ranks = dist.get_world_size(group=dp_group)
+    if ranks > 1:
+        padded = torch.nn.functional.pad(sums, (0, SYNC_LENGTH - sums.numel()))
+        dist.all_reduce(padded, op=dist.ReduceOp.SUM, group=dp_group)
+        sums.copy_(padded[: sums.numel()])
+    return ranks
