@@ -6,8 +6,9 @@ DEPS_STAMP := $(VENV)/.deps-installed
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 BENCH_ARGS ?=
+EXPERIMENT_ARGS ?=
 
-.PHONY: setup test demo bench unpatch clean
+.PHONY: setup test demo bench experiment unpatch clean
 
 # Installing the pins is slow, so it is stamped; applying the patch series is a cheap
 # hash check and runs every time (a no-op when already applied).
@@ -28,6 +29,10 @@ demo: setup
 
 bench: setup
 	$(PYTHON) scripts/bapo_bench.py $(BENCH_ARGS)
+
+# Multi-seed study of BAPO against fixed clipping on stale data (about 10 minutes on 2 cores).
+experiment: setup
+	$(PYTHON) scripts/bapo_experiment.py $(EXPERIMENT_ARGS)
 
 # Restores the installed trinity-rft to its released files.
 unpatch:
