@@ -1,7 +1,7 @@
 """BAPO as a Trinity algorithm: registration, preset, defaults and the GSM8K example config.
 
-Expected values come from /work/shared/bapo-notes.md (the paper's Sec. 5.1 column of the
-hyper-parameter table) and the issue text, never from the code under test. The example
+Expected values come from the paper's Sec. 5.1 hyper-parameters and from the README's settings
+table, never from the code under test. The example
 config goes through Trinity's own loader and validators, the path `trinity run` takes, as far
 as that path runs without a GPU, a model download, Ray or network access.
 """
@@ -23,7 +23,7 @@ from trinity.common.config_validator import (
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "bapo_gsm8k" / "gsm8k.yaml"
 
-# The paper, Sec. 5.1 (notes, "Hyper-parameters", first column).
+# The paper, Sec. 5.1.
 PAPER_SEC_5_1 = {
     "ratio_lower_start": 0.6,  # a-
     "ratio_lower_max": 0.9,  # b-
@@ -34,7 +34,7 @@ PAPER_SEC_5_1 = {
     "positive_contribution_target": 0.4,  # rho_0 as a share
     "search_order": "upper_first",  # Algorithm 1 order
 }
-# What the table leaves open, as the notes and the issue settle it: rho by Eq. 8 as printed,
+# What the paper leaves open, as the README settles it: rho by Eq. 8 as printed,
 # PPO's dual clip at 3.0 (authors' code and Trinity's PPO), verl's token-mean, and the search
 # sums shared across data-parallel ranks.
 PROJECT_CHOICES = {
@@ -43,7 +43,7 @@ PROJECT_CHOICES = {
     "loss_agg_mode": "token-mean",
     "sync_across_dp": True,
 }
-# The preset the issue asks for.
+# The preset: GRPO advantages, no critic, no KL, no entropy term.
 PRESET = {
     "advantage_fn": "grpo",
     "policy_loss_fn": "bapo",
@@ -71,6 +71,11 @@ def job_dirs(tmp_path, monkeypatch):
 def written_loss_args() -> dict:
     """policy_loss_fn_args exactly as the example file spells them (plain YAML, not Trinity)."""
     return yaml.safe_load(EXAMPLE.read_text())["algorithm"]["policy_loss_fn_args"]
+
+
+def resolved_loss_args() -> dict:
+    """The written args, plus the example's algorithm.loss_agg_mode copied in for the loss."""
+    return {**written_loss_args(), "loss_agg_mode": "token-mean"}
 
 
 def load_and_validate(path, selected=None):
@@ -147,7 +152,7 @@ def test_example_resolves_to_bapo_with_the_written_args(job_dirs):
     config = load_and_validate(EXAMPLE)
     assert config.algorithm.algorithm_type == "bapo"
     assert_preset(config.algorithm)
-    assert config.algorithm.policy_loss_fn_args == written_loss_args()
+    assert config.algorithm.policy_loss_fn_args == resolved_loss_args()
     assert config.algorithm.loss_agg_mode == "token-mean"
     assert config.checkpoint_job_dir.startswith(str(job_dirs / "checkpoints"))
 
@@ -172,7 +177,7 @@ def test_example_passes_the_full_check(job_dirs):
     pytest.importorskip("greenlet", reason="trinity.buffer needs greenlet with SQLAlchemy >= 2.1")
     config = load_config(str(EXAMPLE)).check_and_update()
     assert_preset(config.algorithm)
-    assert config.algorithm.policy_loss_fn_args == written_loss_args()
+    assert config.algorithm.policy_loss_fn_args == resolved_loss_args()
     assert config.buffer.explorer_input.tasksets[0].repeat_times == 8
 
 
@@ -203,10 +208,54 @@ def test_sync_flag_reaches_the_loss(tmp_path):
         "    sync_across_dp: false\n",
     )
     config = load_and_validate(path, [AlgorithmConfigValidator()])
-    assert config.algorithm.policy_loss_fn_args == {"sync_across_dp": False}
+    assert config.algorithm.policy_loss_fn_args == {
+        "sync_across_dp": False,
+        "loss_agg_mode": "token-mean",
+    }
     loss = built_loss(config)
     assert loss.sync_across_dp is False
     assert loss.clip_ratio_c == 3.0  # the rest keeps the defaults
+
+
+AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+def _example_with(tmp_path, change) -> Path:
+    """The GSM8K example with ``change(algorithm_dict)`` applied, written next to the test."""
+    config = yaml.safe_load(EXAMPLE.read_text())
+    change(config["algorithm"])
+    return _yaml(tmp_path, yaml.safe_dump(config))
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_algorithm_loss_agg_mode_reaches_bapo(job_dirs, mode):
+    """Set where the README says, at algorithm level, next to the example's written args."""
+    path = _example_with(job_dirs, lambda algorithm: algorithm.update(loss_agg_mode=mode))
+    config = load_and_validate(path)
+    assert config.algorithm.loss_agg_mode == mode
+    assert built_loss(config).loss_agg_mode == mode
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_loss_agg_mode_in_loss_args_reaches_the_trainer_too(job_dirs, mode):
+    """Written only among policy_loss_fn_args: the loss and the trainer use the same mode."""
+
+    def change(algorithm):
+        del algorithm["loss_agg_mode"]
+        algorithm["policy_loss_fn_args"]["loss_agg_mode"] = mode
+
+    config = load_and_validate(_example_with(job_dirs, change))
+    assert config.algorithm.loss_agg_mode == mode
+    assert built_loss(config).loss_agg_mode == mode
+
+
+def test_loss_agg_mode_with_no_loss_args(tmp_path):
+    path = _yaml(
+        tmp_path,
+        "algorithm:\n  algorithm_type: bapo\n  loss_agg_mode: seq-mean-token-sum\n",
+    )
+    config = load_and_validate(path, [AlgorithmConfigValidator()])
+    assert built_loss(config).loss_agg_mode == "seq-mean-token-sum"
 
 
 def test_bad_search_argument_fails_when_the_loss_is_built(tmp_path):
