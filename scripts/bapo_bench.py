@@ -1,4 +1,4 @@
-"""Benchmark BAPO's bound search against PPO and against the authors' per-candidate loop.
+"""Benchmark BAPO's bound search against PPO and against a per-candidate loop.
 
 Prints a readable report and, as its last stdout line, one JSON object with the five figures
 (see ``TARGETS``) and the pair checks. Not a test: nothing here asserts on time. Sizes:
@@ -36,8 +36,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+from bench import cuda as bench_cuda  # noqa: E402
 from bench import machine  # noqa: E402
 from bench.inputs import (  # noqa: E402
     CANDIDATE_GRIDS,
@@ -47,7 +47,7 @@ from bench.inputs import (  # noqa: E402
     make_batch,
     ratio_of,
 )
-from bench.literal import literal_search  # noqa: E402
+from bench.literal import literal_search, surrogate_share  # noqa: E402
 
 # key: (label, target, limit, higher_is_better)
 TARGETS = {
@@ -187,12 +187,11 @@ def bench_stages(clock: Clock, shape, repeats: int, device: str) -> Dict:
     search = bapo.search
     batch = make_batch(shape, seed=0, device=device, requires_grad=True)
     lp, old, adv, am = (batch[k] for k in ("logprob", "old_logprob", "advantages", "action_mask"))
-    mask = am.bool()
     raw = lp - old
     log_ratio = torch.clamp(raw, min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)
     finite = torch.isfinite(raw.detach() + adv)
-    sums = search.local_sums(ratio, adv, mask, finite)
+    sums = search.local_sums(ratio, adv, am, finite)
     choice = search.decide(sums)
 
     def clipped_loss_and_metrics():
@@ -204,8 +203,8 @@ def bench_stages(clock: Clock, shape, repeats: int, device: str) -> Dict:
         "ratio (sub, clamp, exp; PPO does the same)":
             lambda: torch.exp(torch.clamp(lp - old, min=-20.0, max=20.0)),
         "finite: isfinite((lp - old) + adv)": lambda: torch.isfinite(raw.detach() + adv),
-        "local_sums (edge count, 2 histograms)":
-            lambda: search.local_sums(ratio, adv, mask, finite),
+        "local_sums (bucketize, 2 bincounts)":
+            lambda: search.local_sums(ratio, adv, am, finite),
         "decide (host walk over the sums)": lambda: search.decide(sums),
         "clipped loss + metrics (.item() x4)": clipped_loss_and_metrics,
     }  # fmt: skip
@@ -244,31 +243,25 @@ def pair_of(result) -> tuple:
 
 def mid_path_check(shape) -> Dict:
     """Same pair when the target is met mid-path: the target is set halfway between rho at
-    steps 9 and 10 of the upper phase (rho computed by the test oracle, pure Python), so the
-    oracle, the literal loop and our search must all stop at step 10."""
-    import bapo_reference as ref
-
+    steps 9 and 10 of the upper phase, so the literal loop and our search must both stop at
+    step 10. (tests/test_bench_smoke.py pins the literal loop to the Algorithm 1 oracle.)"""
     BAPO, _ = loss_classes()
     batch = make_batch(shape, seed=7)
-    tokens = ref.token_lists(batch["logprob"], batch["old_logprob"], batch["action_mask"],
-                             batch["advantages"])  # fmt: skip
-    rho = [ref.rho(tokens, 0.6, 1.2 + 0.05 * k, "surrogate") for k in (9, 10)]
+    ratio, finite = ratio_of(batch)
+    adv, mask = batch["advantages"], batch["action_mask"]
+    rho = [surrogate_share(ratio, adv, mask, 0.6, 1.2 + 0.05 * k) for k in (9, 10)]
     if not rho[0] < rho[1]:
         return {"ok": False, "why": f"rho not increasing at step 10: {rho}"}
     grid = dict(PAPER, positive_contribution_target=(rho[0] + rho[1]) / 2)
-    oracle = ref.algorithm1(tokens, 0.6, 0.9, 0.02, 1.2, 3.0, 0.05,
-                            grid["positive_contribution_target"], "surrogate")  # fmt: skip
-    ratio, finite = ratio_of(batch)
-    literal = literal_search(ratio, batch["advantages"], batch["action_mask"], grid)
+    literal = literal_search(ratio, adv, mask, grid)
     search = BAPO(**grid).search
-    ours = pair_of(search.decide(search.local_sums(
-        ratio, batch["advantages"], batch["action_mask"].bool(), finite)))  # fmt: skip
-    ok = oracle == literal == ours and ours[2] == 10
-    return {"ok": ok, "oracle": oracle, "literal": literal, "ours": ours}
+    ours = pair_of(search.decide(search.local_sums(ratio, adv, mask, finite)))
+    ok = literal == ours and ours[2] == 10
+    return {"ok": ok, "literal": literal, "ours": ours}
 
 
 def bench_search(clock: Clock, shape, repeats: int, device: str, mid_shape) -> Dict:
-    """Our search (local_sums + decide) vs the authors'-style per-candidate loop."""
+    """Our search (local_sums + decide) vs the per-candidate loop."""
     BAPO, _ = loss_classes()
     search = BAPO(**PAPER).search
     batch = make_batch(shape, seed=0, device=device)
@@ -279,7 +272,7 @@ def bench_search(clock: Clock, shape, repeats: int, device: str, mid_shape) -> D
     literal = lambda: literal_search(ratio, adv, mask, PAPER)  # noqa: E731
     times = clock.measure({"literal": literal, "ours": ours}, repeats)
     lit_pair, our_pair = literal(), pair_of(ours())
-    say(f"## Search vs the authors'-style literal loop, {ratio.numel():,} tokens ({device}, "
+    say(f"## Search vs the per-candidate literal loop, {ratio.numel():,} tokens ({device}, "
         f"{clock.name}, median of {repeats})")  # fmt: skip
     say("   timed, from (ratio, advantages, mask) in hand: ours = BoundSearch.local_sums +")
     say("   decide (finite mask precomputed, as the loss makes it next to the ratio); literal =")
@@ -291,7 +284,7 @@ def bench_search(clock: Clock, shape, repeats: int, device: str, mid_shape) -> D
     mid = mid_path_check(mid_shape) if device == "cpu" else {"ok": True, "skipped": "cpu only"}
     same = lit_pair == our_pair and mid["ok"]
     say(f"   pairs: literal {lit_pair}, ours {our_pair}")
-    say(f"   mid-path target check (oracle / literal / ours stop at step 10): {mid}")
+    say(f"   mid-path target check (literal / ours stop at step 10): {mid}")
     return {
         "speedup": times["literal"][0] / times["ours"][0],
         "same_pair": same,
@@ -330,7 +323,7 @@ def bench_dp(tokens: int, repeats: int, timeout: int) -> Dict:
         f"slowest rank per repeat, median of {result['repeats']})"
     )
     med = result["median_s"]
-    say(f"   authors' style (all_reduce [P, N] + .item() per pair) {fmt_ms(med['literal'])}")
+    say(f"   per candidate (all_reduce [P, N] + .item() per pair)  {fmt_ms(med['literal'])}")
     say(f"   ours (local_sums + one all_reduce + decide)          {fmt_ms(med['ours'])}")
     say(f"   whole BAPO forward with dp_group (info)               {fmt_ms(med['loss'])}")
     say(f"   collectives per call: {result['collectives']}")
@@ -539,15 +532,11 @@ def main(argv=None) -> int:
 
     cuda = None
     if torch.cuda.is_available():
-        cuda_clock = Clock("cuda", args.threads)
-        say("## CUDA (single-process parts again on the GPU; information, not in the targets)")
-        cuda = {
-            "loss": bench_loss(cuda_clock, size["loss_shape"], size["repeats"], "cuda"),
-            "search": bench_search(cuda_clock, size["loss_shape"], size["repeats"], "cuda",
-                                   size["mid_shape"]),  # fmt: skip
-        }
+        cuda = bench_cuda.run("cuda", "quick" if args.quick else "full")
+        for line in bench_cuda.report(cuda):
+            say(line)
     else:
-        say("## CUDA: skipped (torch.cuda.is_available() is False on this machine)")
+        say("## CUDA: skipped, no CUDA device (torch.cuda.is_available() is False)")
     say()
     if args.scaling:
         bench_scaling(clock, args.quick)

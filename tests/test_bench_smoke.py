@@ -2,7 +2,7 @@
 
 The benchmark is not a test: nothing here looks at a time. What a reader of its figures relies
 on is checked instead: the run ends with one JSON line carrying the five figures, a synchronised
-call makes exactly one collective, and the authors'-style literal loop that the speed-ups are
+call makes exactly one collective, and the per-candidate literal loop that the speed-ups are
 measured against picks the same pair as our search. A small test pins the literal loop itself
 against the Algorithm 1 transcription in tests/bapo_reference.py (an independent oracle).
 """
@@ -74,7 +74,7 @@ def test_synchronised_call_makes_one_collective(result):
     assert result["collectives_per_call"] == 1
     collectives = result["checks"]["dp_collectives"]
     assert collectives["loss_unsynced"] == 0
-    assert collectives["literal"] == 52  # the authors' style: one per pair on the 52-pair path
+    assert collectives["literal"] == 52  # per candidate: one per pair on the 52-pair path
 
 
 def test_literal_loop_and_our_search_pick_the_same_pair(result):
@@ -119,3 +119,24 @@ def test_literal_loop_walks_algorithm1(seed, negative_share):
         assert got == want
     assert literal_search(ratio, batch["advantages"], batch["action_mask"],
                           dict(PAPER_RANGES, positive_contribution_target=1.0))[2] == 51  # fmt: skip
+
+
+def test_cuda_part_runs_its_code_path_on_cpu():
+    """The CUDA figures' code, run on the CPU with tiny sizes (a GPU runs it with full ones):
+    every figure the README reports is there and finite."""
+    from bench import cuda
+
+    result = cuda.run("cpu", "quick")
+    keys = ("bapo_over_ppo_fwd", "bapo_over_ppo_fwd_bwd", "search_ms")
+    for key in keys:
+        assert result[key] and all(v > 0 and math.isfinite(v) for v in result[key].values())
+    assert math.isfinite(result["step_overhead_share"]) and result["ms"]["model_step"] > 0
+    assert cuda.SIZES["full"]["fwd_tokens"] == [65_536, 8_388_608]
+    assert cuda.SIZES["full"]["search_tokens"] == [65_536, 1_048_576, 8_388_608]
+    assert len(cuda.report(result)) == 2 + sum(len(result[key]) for key in keys)
+
+
+def test_bench_says_when_cuda_is_skipped(quick_run):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    assert "## CUDA: skipped, no CUDA device" in quick_run.stdout

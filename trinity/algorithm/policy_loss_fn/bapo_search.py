@@ -23,6 +23,7 @@ import torch
 SEARCH_ORDERS = ("upper_first", "lower_first")
 CONTRIBUTIONS = ("surrogate", "gradient")
 LOG_RATIO_CLAMP = 20.0  # the loss clamps log r to [-20, 20], as PPOPolicyLossFn does
+TINY = torch.finfo(torch.float64).tiny  # below every bound (bounds are normal float32 numbers)
 MAX_CANDIDATES = 10_000  # per range; guards against a step so small the grid explodes
 HEADER = 3  # fingerprint, its square, non-finite token count
 SYNC_LENGTH = HEADER + 2 * MAX_CANDIDATES  # every rank reduces this many values, whatever its grid
@@ -106,7 +107,8 @@ class BoundSearch:
         self._constants: Dict[Tuple[str, torch.dtype], Tuple[torch.Tensor, ...]] = {}
 
     def _constants_on(self, ratio: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """(lower, upper, dual clip, fingerprint pair) as float64 on the ratio's device.
+        """(signed edges, lower, upper, dual clip, fingerprint pair) as float64 on the ratio's
+        device.
 
         The bounds are rounded to the ratio's dtype first: ``torch.clamp`` compares a ratio with
         a bound in the ratio's own dtype, so in bfloat16 the bound 1.2 is 1.203125, and a ratio
@@ -117,8 +119,10 @@ class BoundSearch:
         if key not in self._constants:
             bounds = self.lower + self.upper + [self.clip_ratio_c or math.inf]
             rounded = torch.tensor(bounds, dtype=torch.float64).to(ratio.dtype).double()
+            lower, upper, dual = rounded.split([len(self.lower), len(self.upper), 1])
+            signed = torch.cat([-lower.flip(0), torch.zeros(1, dtype=torch.float64), upper])
             pair = torch.tensor([self.fingerprint, self.fingerprint**2], dtype=torch.float64)
-            parts = (*rounded.split([len(self.lower), len(self.upper), 1]), pair)
+            parts = (signed, lower, upper, dual, pair)
             self._constants[key] = tuple(t.to(ratio.device) for t in parts)
         return self._constants[key]
 
@@ -135,40 +139,40 @@ class BoundSearch:
         weighs ``|A| * mask``, as in the loss's aggregation; masked and non-finite tokens weigh
         0 (filled, not multiplied, so NaN cannot leak in). Nothing here waits on the device.
 
-        Each token falls in one bin: a negative one by how many lower candidates are at or
-        below its ratio, a positive one (after those bins) by how many upper candidates are
-        below it. Two weighted histograms, and prefix sums over them, give every candidate.
-        A ratio on a bound counts as unclipped, since ``torch.clamp`` passes its gradient.
+        Each token falls in one bin of a signed axis: ``x = r`` for A > 0, ``x = -r``
+        otherwise, cut at ``[-b-, ..., -a-, 0, a+, ..., b+]``. A negative token's bin counts
+        the lower candidates above its ratio, a positive one's (after the 0) the upper
+        candidates below it; a ratio on a bound counts as unclipped, since ``torch.clamp``
+        passes its gradient there. Two weighted histograms, and prefix sums over them, give
+        every candidate.
         """
-        lower, upper, dual, fingerprint = self._constants_on(ratio)
+        signed, lower, upper, dual, fingerprint = self._constants_on(ratio)
         live = (mask != 0).reshape(-1)
         kept = live & finite.reshape(-1)
-        # A half-precision ratio can overflow to inf; the float64 copy stays inside the clamp.
-        r = ratio.detach().reshape(-1).double().clamp(max=math.exp(LOG_RATIO_CLAMP))
-        r = r.masked_fill(~kept, 0.0)
         adv = advantages.detach().reshape(-1)
+        # Kept inside (0, e^20]: a half-precision ratio can underflow to 0 (which would put a
+        # positive token on the negative side) or overflow to inf.
+        r = ratio.detach().reshape(-1).double().clamp(TINY, math.exp(LOG_RATIO_CLAMP))
+        r = r.masked_fill(~kept, 1.0)
         weight = (adv.double().abs() * mask.reshape(-1).double()).masked_fill(~kept, 0.0)
-        n_low = len(self.lower)
-        bins = torch.where(
-            adv > 0,
-            n_low + 1 + torch.bucketize(r, upper),  # number of c_high < r
-            torch.bucketize(r, lower, right=True),  # number of c_low <= r
-        )
+        bins = torch.bucketize(torch.where(adv > 0, r, -r), signed)  # edges below x
         weight_r = weight * r
         if self.contribution == "gradient" and self.clip_ratio_c is not None:
             # Past the dual clip A < 0 has no gradient; on it, torch.min splits it in half.
             share = torch.where(r > dual, 0.0, torch.where(r == dual, 0.5, 1.0))
             weight_r = torch.where(adv < 0, weight_r * share, weight_r)
-        size = n_low + len(self.upper) + 2
+        size = signed.numel() + 1
         hist_r = torch.bincount(bins, weight_r, minlength=size)
         hist_w = torch.bincount(bins, weight, minlength=size)
 
+        n_low = len(self.lower)
         # A > 0: tokens with r <= c_high keep A r; under Eq. 8 the others count at c_high.
         positive, _ = _split_sums(hist_r[n_low + 1 :])
         _, clipped = _split_sums(hist_w[n_low + 1 :])
-        # A < 0: tokens with r >= c_low keep |A| r; under Eq. 8 the others count at c_low.
-        _, negative = _split_sums(hist_r[: n_low + 1])
-        floored, _ = _split_sums(hist_w[: n_low + 1])
+        # A < 0, flipped so that bin k holds the tokens with k lower candidates <= r: those
+        # with r >= c_low keep |A| r; under Eq. 8 the others count at c_low.
+        _, negative = _split_sums(hist_r[: n_low + 1].flip(0))
+        floored, _ = _split_sums(hist_w[: n_low + 1].flip(0))
         if self.contribution == "surrogate":
             positive, negative = positive + upper * clipped, negative + lower * floored
         nonfinite = (live & ~kept).sum(dtype=torch.float64).reshape(1)
