@@ -8,21 +8,33 @@ DEMO_ARGS ?=
 BENCH_ARGS ?=
 EXPERIMENT_ARGS ?=
 
-.PHONY: setup test demo bench experiment unpatch clean
+.PHONY: setup test lint pr demo bench experiment unpatch clean
 
-# Installing the pins is slow, so it is stamped; applying the patch series is a cheap
-# hash check and runs every time (a no-op when already applied).
+# Installing the pins is slow, so it is stamped. Applying the patch series and copying our
+# modules into trinity-rft is a cheap hash check and runs every time, so an edit under trinity/
+# reaches the installed package (a no-op when nothing changed).
 setup: $(DEPS_STAMP)
 	$(PYTHON) scripts/trinity_patches.py apply
 
 $(DEPS_STAMP): pyproject.toml constraints.txt
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet torch==2.13.0
-	$(PYTHON) -m pip install --quiet -c constraints.txt ".[test]"
+	$(PYTHON) -m pip install --quiet -c constraints.txt ".[test,lint]"
 	touch $@
 
 test: setup
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+# Trinity-RFT's checks: black, isort, flake8 with docstrings (.flake8), mypy (pyproject.toml).
+lint: $(DEPS_STAMP)
+	$(VENV)/bin/black --check trinity scripts tests
+	$(VENV)/bin/isort --check-only trinity scripts tests
+	$(VENV)/bin/flake8 trinity scripts tests
+	$(VENV)/bin/mypy
+
+# dist/trinity-rft-bapo.patch: everything above as one patch against a Trinity-RFT 0.6.0 checkout.
+pr: setup
+	$(PYTHON) scripts/pr/make_patch.py
 
 demo: setup
 	$(PYTHON) scripts/bapo_demo.py $(DEMO_ARGS)
@@ -39,4 +51,4 @@ unpatch:
 	$(PYTHON) scripts/trinity_patches.py revert
 
 clean:
-	rm -rf $(VENV) build *.egg-info runs .pytest_cache
+	rm -rf $(VENV) build dist *.egg-info runs .pytest_cache .mypy_cache

@@ -1,5 +1,4 @@
-"""Make the shared oracle (tests/bapo_reference.py) importable under any pytest import mode, and
-refuse to test a stale install."""
+"""Make the oracle (tests/bapo_reference.py) importable; refuse to test a stale install."""
 
 import subprocess
 import sys
