@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
-from trinity.algorithm.policy_loss_fn.bapo_search import BoundSearch, candidate_grid
+from trinity.algorithm.policy_loss_fn.bapo_search import BoundSearch, candidate_grid, histogram
 
 ORACLES = {"upper_first": ref.algorithm1, "lower_first": ref.authors_order}
 LOWER_STEPS = (0.01, 0.02, 0.025, 0.03, 0.04, 0.05, 0.07, 0.1, 0.15, 0.2)
@@ -321,3 +321,19 @@ def test_half_precision_ratio_that_underflows_stays_on_its_side():
     assert torch.exp(half[0] - half[1])[0, 1] == 0  # the case really underflows
     _, metrics = fn(logprob=half[0], old_logprob=half[1], action_mask=mask, advantages=half[2])
     assert metrics["bapo_positive_contribution"] == pytest.approx(want, rel=1e-3)
+
+
+@pytest.mark.parametrize("lanes", [1, 7, 256])
+def test_histogram_sums_each_bin_whatever_the_lanes(lanes):
+    """The histogram behind every candidate's sums (lanes > 1 is what CUDA uses) against a
+    plain Python loop over the tokens."""
+    gen = torch.Generator().manual_seed(13)
+    bins = torch.randint(0, 55, (5000,), generator=gen)
+    weights = torch.rand(5000, 2, generator=gen, dtype=torch.float64)
+    want = torch.zeros(2, 56, dtype=torch.float64)
+    for b, (w0, w1) in zip(bins.tolist(), weights.tolist()):
+        want[0, b] += w0
+        want[1, b] += w1
+    got = histogram(bins, weights, 56, lanes)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    assert got[:, 55].sum() == 0  # an empty bin stays empty

@@ -27,6 +27,7 @@ TINY = torch.finfo(torch.float64).tiny  # below every bound (bounds are normal f
 MAX_CANDIDATES = 10_000  # per range; guards against a step so small the grid explodes
 HEADER = 3  # fingerprint, its square, non-finite token count
 SYNC_LENGTH = HEADER + 2 * MAX_CANDIDATES  # every rank reduces this many values, whatever its grid
+LANES = 256  # copies of each histogram bin on CUDA, against atomic-add contention
 
 
 def candidate_grid(
@@ -81,6 +82,19 @@ def _split_sums(hist: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """For bins h_0..h_K, per k < K the totals of bins <= k and of bins > k."""
     below = hist.cumsum(0)
     return below[:-1], below[-1] - below[:-1]
+
+
+def histogram(bins: torch.Tensor, weights: torch.Tensor, size: int, lanes: int) -> torch.Tensor:
+    """Per bin, the sum of each column of ``weights`` ([tokens, k]): [k, size].
+
+    ``torch.bincount`` would read the largest bin back to the host on CUDA; ``index_add_``
+    does not. With ``lanes`` > 1 each bin gets that many copies, so that the atomic adds of
+    neighbouring tokens rarely land on one address (on CUDA).
+    """
+    if lanes > 1:
+        bins = bins * lanes + torch.arange(bins.numel(), device=bins.device) % lanes
+    hist = weights.new_zeros(size * lanes, weights.shape[1]).index_add_(0, bins, weights)
+    return hist.view(size, lanes, -1).sum(1).T
 
 
 class BoundSearch:
@@ -161,9 +175,8 @@ class BoundSearch:
             # Past the dual clip A < 0 has no gradient; on it, torch.min splits it in half.
             share = torch.where(r > dual, 0.0, torch.where(r == dual, 0.5, 1.0))
             weight_r = torch.where(adv < 0, weight_r * share, weight_r)
-        size = signed.numel() + 1
-        hist_r = torch.bincount(bins, weight_r, minlength=size)
-        hist_w = torch.bincount(bins, weight, minlength=size)
+        lanes = LANES if bins.is_cuda else 1
+        hist_r, hist_w = histogram(bins, torch.stack([weight_r, weight], 1), len(signed) + 1, lanes)
 
         n_low = len(self.lower)
         # A > 0: tokens with r <= c_high keep A r; under Eq. 8 the others count at c_high.
