@@ -44,6 +44,10 @@ def _require(condition: bool, name: str, allowed: str, value) -> None:
         raise ValueError(f"BAPO: `{name}` must be {allowed}, got {value!r}")
 
 
+def _choice(name: str, value, choices: Tuple[str, ...]) -> None:
+    _require(value in choices, name, f"one of {choices}", value)
+
+
 def _number(name: str, value) -> float:
     """Any finite real number (Python, numpy or a 0-d tensor's ``item()``), as a float."""
     is_real = isinstance(value, numbers.Real) and not isinstance(value, bool)
@@ -84,18 +88,9 @@ class BAPOPolicyLossFn(PolicyLossFn):
     ) -> None:
         """Validate every argument here, so a bad config fails before training starts."""
         super().__init__(backend=backend)
-        _require(
-            search_order in SEARCH_ORDERS, "search_order", f"one of {SEARCH_ORDERS}", search_order
-        )
-        _require(
-            contribution in CONTRIBUTIONS, "contribution", f"one of {CONTRIBUTIONS}", contribution
-        )
-        _require(
-            loss_agg_mode in LOSS_AGG_MODES,
-            "loss_agg_mode",
-            f"one of {LOSS_AGG_MODES}",
-            loss_agg_mode,
-        )
+        _choice("search_order", search_order, SEARCH_ORDERS)
+        _choice("contribution", contribution, CONTRIBUTIONS)
+        _choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
         target = _number("positive_contribution_target", positive_contribution_target)
         _require(0.0 <= target <= 1.0, "positive_contribution_target", "in [0, 1]", target)
         if clip_ratio_c is not None:
