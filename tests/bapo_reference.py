@@ -1,4 +1,4 @@
-"""Test oracle: a literal, loop-by-loop transcription of BAPO's search from the notes.
+"""Test oracle: a literal, loop-by-loop transcription of BAPO's search (Algorithm 1, Eq. 8).
 
 Deliberately naive and independent of the code under test: rho is recomputed from the tokens
 for every candidate pair (plain Python over token lists), bounds move by exact rational steps,

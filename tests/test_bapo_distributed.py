@@ -3,7 +3,7 @@
 With ``sync_across_dp`` every rank of the dp group must take the decision that one process
 would take on the union of the ranks' tokens. The oracle here is the literal transcription in
 ``bapo_reference`` run on the concatenated token lists, and the single-process gradient is
-recomputed in this process from a loss written from the notes, so nothing expected comes from
+recomputed in this process from a loss written from the README's formula, so nothing expected comes from
 the code under test.
 
 One torchrun launch per world size (2, 3, 4) runs every check in
@@ -187,7 +187,7 @@ def oracle_rho(tokens, name, low, high):
 
 
 def reference_token_loss(ratio, advantages, low, high, clip_ratio_c):
-    """Per-token loss written from the notes: -min(rA, clip(r)A), then PPO's dual clip."""
+    """Per-token loss as the README writes it: -min(rA, clip(r)A), then PPO's dual clip."""
     loss = -torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
     if clip_ratio_c is not None:
         loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * clip_ratio_c), loss)

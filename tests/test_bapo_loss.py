@@ -1,7 +1,7 @@
 """BAPOPolicyLossFn in one process: edge cases, PPO equivalence, bad input, metrics.
 
-Expected values come from the definitions in ``shared/bapo-notes.md`` (rho = P / (P + N),
-rho = 1 where nothing contributes, Algorithm 1's loop condition) and from Trinity's own
+Expected values come from the definitions in the README (rho = P / (P + N), rho = 1 where
+nothing contributes, Algorithm 1's loop condition) and from Trinity's own
 ``PPOPolicyLossFn``, never from the code under test.
 """
 

@@ -5,7 +5,7 @@
   ``bapo_reference`` (Algorithm 1 for ``upper_first``, the authors' loops for ``lower_first``).
 - The paper grid: exact end points and step count, and the float trap it avoids.
 - ``contribution="gradient"``: the per-candidate sums equal |dL/dlogp| from autograd on a
-  per-token loss written here from the notes, not taken from the code under test.
+  per-token loss written here from the README's formula, not taken from the code under test.
 """
 
 import math
@@ -227,7 +227,7 @@ def test_paper_grid_reaches_exact_maxima_in_51_steps(order, contribution):
 
 
 def _per_token_loss(ratio, adv, c_low, c_high, clip_ratio_c):
-    """L_t from the notes: -min(r A, clip(r) A), dual clip min(L, -A C) for A < 0."""
+    """L_t as the README writes it: -min(r A, clip(r) A), dual clip min(L, -A C) for A < 0."""
     loss = -torch.minimum(ratio * adv, torch.clamp(ratio, c_low, c_high) * adv)
     if clip_ratio_c is not None:
         loss = torch.where(adv < 0, torch.minimum(loss, -adv * clip_ratio_c), loss)
@@ -272,7 +272,10 @@ def test_gradient_contribution_equals_autograd(clip_ratio_c):
 
 
 def test_surrogate_contribution_equals_eq8():
-    """The printed Eq. 8: P = sum A min(r, c_high) over A > 0, N = sum |A| max(r, c_low)."""
+    """The printed Eq. 8: P = sum A min(r, c_high) over A > 0, N = sum |A| max(r, c_low).
+
+    Written again here with tensor ops, on purpose: a second oracle, independent of
+    bapo_reference's token loop, for each candidate's sum rather than the decision."""
     gen = torch.Generator().manual_seed(12)
     shape = (5, 30)
     ratio = torch.exp(0.7 * torch.randn(shape, generator=gen, dtype=torch.float64))
