@@ -37,9 +37,9 @@ def series() -> list[Path]:
     return [REPO / "patches" / name for name in (REPO / "patches" / "series").read_text().split()]
 
 
-def touched() -> list[str]:
-    """Site-relative paths the series changes."""
-    text = "".join(p.read_text() for p in series())
+def touched(patches: list[Path] | None = None) -> list[str]:
+    """Site-relative paths the given patches (by default the series) change."""
+    text = "".join(p.read_text() for p in series() if patches is None or p in patches)
     return sorted(set(re.findall(r"^\+\+\+ b/(\S+)", text, re.M)))
 
 
@@ -105,12 +105,14 @@ def file_states(site: Path, released: dict[str, str]) -> dict[str, str]:
     return states
 
 
-def series_state(site: Path, released: dict[str, str], action: str) -> str:
-    """Return 'released' or 'patched' if every touched file agrees; else refuse, naming files."""
+def pending(site: Path, released: dict[str, str], action: str) -> list[Path]:
+    """The patches still to apply (or revert); refuse, naming files, unless each is whole."""
     states = file_states(site, released)
-    if set(states.values()) in ({"released"}, {"patched"}):
-        return next(iter(states.values()))
-    lines = [f"refusing to {action}: not all files are the released {VERSION} or patched ones"]
+    per_patch = [{states[rel] for rel in touched([patch])} for patch in series()]
+    if all(kinds in ({"released"}, {"patched"}) for kinds in per_patch):
+        todo = {"apply": "released", "revert": "patched"}[action]
+        return [patch for patch, kinds in zip(series(), per_patch) if todo in kinds]
+    lines = [f"refusing to {action}: not every patch is wholly applied or not applied at all"]
     for rel, state in states.items():
         lines.append(f"  {state:<9} {rel}")
         if state in ("modified", "missing"):
@@ -120,12 +122,12 @@ def series_state(site: Path, released: dict[str, str], action: str) -> str:
     raise SystemExit("\n".join([*lines, hint]))
 
 
-def rewrite_series(site: Path, released: dict[str, str], reverse: bool) -> None:
-    """Run the whole series on copies and move the results into place only if it all worked."""
-    rels, patches = touched(), series()[::-1] if reverse else series()
+def rewrite(site: Path, released: dict[str, str], patches: list[Path], reverse: bool) -> None:
+    """Run the patches on copies and move the results into place only if they all worked."""
+    rels = touched(patches)
     with tempfile.TemporaryDirectory(prefix="trinity-patches-") as tmp:
         root = stage(site, rels, tmp)
-        done = git_apply(root, *["-R"] * reverse, *patches)
+        done = git_apply(root, *["-R"] * reverse, *(patches[::-1] if reverse else patches))
         if done.returncode or (reverse and any(sha256(root / r) != released[r] for r in rels)):
             raise SystemExit(f"the series did not apply to copies:\n{done.stderr.decode()}")
         place(site, {rel: root / rel for rel in rels})
@@ -166,38 +168,35 @@ def remove_modules(site: Path, rels: list[str]) -> None:
 def cmd_apply(site: Path, overlay: Path, reverse: bool) -> None:
     """Patch or revert (unless done already), then install or remove our modules."""
     released = released_hashes(site)
-    state = series_state(site, released, "revert" if reverse else "apply")
+    todo = pending(site, released, "revert" if reverse else "apply")
     modules = {} if reverse else module_states(site, overlay)
     clashes = [f"  {rel} ({s})" for rel, s in modules.items() if s in ("modified", "blocked")]
     if clashes:
         raise SystemExit("refusing to install our modules over these files:\n" + "\n".join(clashes))
-    goal = "released" if reverse else "patched"
-    if state != goal:
-        rewrite_series(site, released, reverse)
-    print(f"{len(touched())} files {'were already' if state == goal else 'now'} {goal}")
+    if todo:
+        rewrite(site, released, todo, reverse)
+    print(f"{len(todo)} of {len(series())} patches {'reverted' if reverse else 'applied'} now")
     before = read_record(site)
     remove_modules(site, [rel for rel in before if rel not in modules])
-    todo = {rel: overlay.parent / rel for rel, state in modules.items() if state != "installed"}
-    record = {rel: h for rel, h in before.items() if rel in modules} | place(site, todo)
+    copies = {rel: overlay.parent / rel for rel, state in modules.items() if state != "installed"}
+    record = {rel: h for rel, h in before.items() if rel in modules} | place(site, copies)
     if record and record != before:
         tmp = Path(f"{site / RECORD}.{os.getpid()}")
         tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
         os.replace(tmp, site / RECORD)
     elif not record:
         (site / RECORD).unlink(missing_ok=True)
-    print(f"our modules: {len(modules)} installed, {len(todo)} of them copied now")
+    print(f"our modules: {len(modules)} installed, {len(copies)} of them copied now")
 
 
 def cmd_status(site: Path, overlay: Path) -> bool:
     """Print the state of every touched file and module; True when all is as the repo has it."""
     files, modules = file_states(site, released_hashes(site)), module_states(site, overlay)
-    stale = [rel for rel in read_record(site) if rel not in modules]
+    modules |= {rel: "stale" for rel in read_record(site) if rel not in modules}
     print(f"{DIST} {VERSION} in {site}")
     for kind, states in (("touched files", files), ("our modules", modules)):
         print(f"{kind}:\n" + "\n".join(f"  {state:<9} {rel}" for rel, state in states.items()))
-    print("".join(f"  stale     {rel}\n" for rel in stale), end="")
-    settled = set(files.values()) == {"patched"} and set(modules.values()) <= {"installed"}
-    return settled and not stale
+    return set(files.values()) == {"patched"} and set(modules.values()) <= {"installed"}
 
 
 def main(argv: list[str] | None = None) -> int:

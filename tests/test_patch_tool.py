@@ -38,10 +38,15 @@ def series() -> list[str]:
     return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
 
 
-def touched() -> list[str]:
-    """Site-relative paths the patches change, read directly from their headers."""
-    lines = "".join((PATCHES / name).read_text() for name in series()).splitlines()
+def touched_by(*names: str) -> list[str]:
+    """Site-relative paths the named patches change, read directly from their headers."""
+    lines = "".join((PATCHES / name).read_text() for name in names).splitlines()
     return sorted({line[6:].split()[0] for line in lines if line.startswith("+++ b/")})
+
+
+def touched() -> list[str]:
+    """Site-relative paths the whole series changes."""
+    return touched_by(*series())
 
 
 def released_record() -> dict[str, str]:
@@ -127,7 +132,8 @@ def test_apply_twice_is_a_noop(site: Path) -> None:
     before = snapshot(site)
     result = tool("apply", "--site", site)
     assert result.returncode == 0, result.stderr
-    assert "already patched" in result.stdout and "0 of them copied" in result.stdout
+    assert f"0 of {len(series())} patches applied" in result.stdout
+    assert "0 of them copied" in result.stdout
     assert snapshot(site) == before
 
 
@@ -155,14 +161,33 @@ def test_refuses_a_locally_modified_file(site: Path, command: str) -> None:
     assert snapshot(site) == before
 
 
-def test_refuses_a_partly_applied_series(site: Path) -> None:
-    subprocess.run(
-        ["patch", "-p1", "-s", "-d", str(site), "-i", str(PATCHES / series()[0])], check=True
-    )
+def plain_patch(site: Path, name: str) -> None:
+    """Apply one patch with GNU patch alone, as if the series had grown by the others since."""
+    cmd = ["patch", "-p1", "-s", "-d", str(site), "-i", str(PATCHES / name)]
+    subprocess.run(cmd, check=True, timeout=60)
+
+
+def test_apply_completes_a_series_that_grew(site: Path, released: Path, tmp_path: Path) -> None:
+    plain_patch(site, series()[0])
+    result = tool("apply", "--site", site)
+    assert result.returncode == 0, result.stderr
+    assert f"{len(series()) - 1} of {len(series())} patches applied" in result.stdout
+    in_one_step = tmp_path / "in_one_step"
+    shutil.copytree(released, in_one_step)
+    assert tool("apply", "--site", in_one_step).returncode == 0
+    assert snapshot(in_one_step, with_times=False) == snapshot(site, with_times=False)
+
+
+def test_refuses_a_half_applied_patch(site: Path, released: Path) -> None:
+    with_two_files = next(name for name in series() if len(touched_by(name)) > 1)
+    plain_patch(site, with_two_files)
+    first = touched_by(with_two_files)[0]
+    shutil.copyfile(released / first, site / first)
     before = snapshot(site)
     result = tool("apply", "--site", site)
     assert result.returncode == 1
-    assert f"patched   {LOSS_FN}" in result.stderr and f"released  {LOSSES}" in result.stderr
+    assert f"released  {first}" in result.stderr
+    assert f"patched   {touched_by(with_two_files)[1]}" in result.stderr
     assert snapshot(site) == before
 
 

@@ -41,8 +41,9 @@ def released_tree(root: Path) -> None:
     site = Path(str(tool.importlib.metadata.distribution(tool.DIST).locate_file(""))).resolve()
     released = tool.released_hashes(site)
     tool.stage(site, tool.touched(), str(root))
-    if tool.series_state(site, released, "export") == "patched":
-        done = tool.git_apply(root, "-R", *tool.series()[::-1])
+    applied = tool.pending(site, released, "revert")
+    if applied:
+        done = tool.git_apply(root, "-R", *applied[::-1])
         assert done.returncode == 0, done.stderr.decode()
     wrong = [rel for rel in tool.touched() if tool.sha256(root / rel) != released[rel]]
     assert not wrong, f"not the released files: {wrong}"
