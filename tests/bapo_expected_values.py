@@ -4,19 +4,16 @@ The unit test that goes upstream states its expectations as numbers, as Trinity'
 tests do. This script produces them without the code under test: it builds the test's own inputs
 (its setUp), picks the pair with the literal Algorithm 1 / authors'-order loops of
 tests/bapo_reference.py, and computes the clipped loss and its metrics at that pair in plain
-Python over float64 token values. Run: .venv/bin/python scripts/pr/bapo_test_values.py
+Python over float64 token values. Run: .venv/bin/python tests/bapo_expected_values.py
+(beside the oracle, so both import without any path set up)
 """
 
 import math
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "algorithm")]
+from algorithm.bapo_policy_loss_test import BAPOPolicyLossTest
+from bapo_reference import algorithm1, authors_order, rho
 
-from bapo_policy_loss_test import BAPOPolicyLossTest  # noqa: E402
-from bapo_reference import algorithm1, authors_order, rho  # noqa: E402
-from trinity.algorithm.policy_loss_fn import POLICY_LOSS_FN  # noqa: E402
+from trinity.algorithm.policy_loss_fn import POLICY_LOSS_FN
 
 AUTHORS = {
     "search_order": "lower_first",
