@@ -1,10 +1,10 @@
 """Tests for `make demo` (scripts/bapo_demo.py and scripts/demo/).
 
-The smoke test runs the real thing, two gloo ranks for a few steps, and checks what a reader
-of the demo relies on: the exit status, the final JSON line, the metric files, the figure, and
-that BAPO's logged bounds stay inside the paper's ranges. The smaller tests pin the task's
-reward and GRPO advantages to hand-worked numbers, and show that the verdict and the ranks
-check can actually fail.
+The smoke test runs the real thing, two gloo ranks training through verl's FSDP engine for a
+few steps, and checks what a reader of the demo relies on: the exit status, the final JSON line,
+the metric files, the figure, and that BAPO's logged bounds stay inside the paper's ranges. The
+smaller tests pin the task's reward and GRPO advantages to hand-worked numbers, and show that
+the verdict and the ranks check can actually fail.
 """
 
 import importlib
@@ -46,8 +46,18 @@ def _finite_numbers(value):
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     proc = subprocess.run(
-        [sys.executable, str(DEMO), "--steps", str(STEPS), "--ranks", "2", "--out", str(out),
-         "--log-every", "1"],  # fmt: skip
+        [
+            sys.executable,
+            str(DEMO),
+            "--steps",
+            str(STEPS),
+            "--ranks",
+            "2",
+            "--out",
+            str(out),
+            "--log-every",
+            "1",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -82,11 +92,17 @@ def test_demo_writes_one_finite_metrics_line_per_step(demo_run):
         for row in rows:
             assert _finite_numbers(row), row
             assert row["algo"] == algo
+            assert row["engine"] == "FSDPEngineWithLMHead (fsdp2)"
             assert row["ranks_agree"] is True
             assert len(row["pairs"]) == CALLS_PER_STEP
             assert 0.0 <= row["rho"] <= 1.0
-            # the log-probs read back from the jagged layout are the sampler's own
-            assert row["logprob_layout_err"] < 1e-4
+            # where the rollout policy holds the engine's weights (no lag yet), the engine's
+            # log-probs of the sampled tokens are the sampler's own: the layout is right
+            if row["behaviour_lag"] == 0:
+                assert row["logprob_layout_err"] < 1e-4
+            else:
+                assert row["logprob_layout_err"] is None
+        assert rows[0]["behaviour_lag"] == 0
 
 
 def test_both_algorithms_see_the_same_first_rollout(demo_run):
@@ -108,7 +124,8 @@ def test_bapo_bounds_stay_in_the_paper_ranges_and_ppo_is_fixed(demo_run):
             assert PAPER_LOWER[0] - tol <= low <= PAPER_LOWER[1] + tol
             assert PAPER_UPPER[0] - tol <= high <= PAPER_UPPER[1] + tol
         # rho as the loss reported it equals Eq. 8 recomputed by the worker on the same tokens
-        assert row["rho_check_err"] < 1e-9
+        # (float32 ratios there, so agreement to float32 rounding)
+        assert row["rho_check_err"] < 1e-6
     for line in (out / "ppo" / "metrics.jsonl").read_text().splitlines():
         for low, high in json.loads(line)["pairs"]:
             assert low == pytest.approx(0.8) and high == pytest.approx(1.28)
@@ -149,6 +166,7 @@ def test_reward_hand_examples():
 
 def test_group_advantages_hand_example():
     import torch
+
     from demo.task import group_advantages
 
     # group 1: mean 0.25, unbiased std sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5
@@ -167,12 +185,23 @@ def _fake_rows(algo, steps, agree=True):
     rows = []
     for step in range(steps):
         row = {
-            "step": step, "algo": algo, "reward": 0.3, "entropy": 2.0, "rho": 0.5,
-            "clip_low": pair[0], "clip_high": pair[1], "clip_low_max": pair[0],
-            "clip_high_max": pair[1], "pairs": [pair] * CALLS_PER_STEP,
-            "start_pair": pair, "ranks_agree": agree, "pair_checks": CALLS_PER_STEP,
-            "dp_group_forwarded": True, "wall_s": 1.0, "logprob_layout_err": 0.0,
-        }  # fmt: skip
+            "step": step,
+            "algo": algo,
+            "reward": 0.3,
+            "entropy": 2.0,
+            "rho": 0.5,
+            "clip_low": pair[0],
+            "clip_high": pair[1],
+            "clip_low_max": pair[0],
+            "clip_high_max": pair[1],
+            "pairs": [pair] * CALLS_PER_STEP,
+            "start_pair": pair,
+            "ranks_agree": agree,
+            "pair_checks": CALLS_PER_STEP,
+            "dp_group_forwarded": True,
+            "wall_s": 1.0,
+            "logprob_layout_err": 0.0,
+        }
         if algo == "bapo":
             row["rho_check_err"] = 0.0
         rows.append(row)
@@ -183,8 +212,9 @@ def _fake_rows(algo, steps, agree=True):
     "launch_result, bapo_agrees, expected",
     [(0, True, 0), (0, False, 1), (1, True, 2), (None, True, 3)],
 )
-def test_exit_status_follows_the_verdict(tmp_path, monkeypatch, launch_result, bapo_agrees,
-                                         expected):  # fmt: skip
+def test_exit_status_follows_the_verdict(
+    tmp_path, monkeypatch, launch_result, bapo_agrees, expected
+):
     """Without torchrun: a fake launch writes metrics; the parent must judge them."""
     bapo_demo = importlib.import_module("bapo_demo")
 
@@ -210,6 +240,7 @@ def _pair_agrees_rank(rank, port, pairs, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     sys.path.insert(0, str(SCRIPTS))
     import torch.distributed as dist
+
     from demo.worker import pair_agrees
 
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -220,8 +251,9 @@ def _pair_agrees_rank(rank, port, pairs, results):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("pairs, agree", [([(0.6, 1.2), (0.6, 1.2)], True),
-                                          ([(0.6, 1.2), (0.6, 1.25)], False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "pairs, agree", [([(0.6, 1.2), (0.6, 1.2)], True), ([(0.6, 1.2), (0.6, 1.25)], False)]
+)
 def test_pair_check_detects_ranks_that_differ(pairs, agree):
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:

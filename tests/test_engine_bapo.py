@@ -22,6 +22,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from test_bapo_distributed import compare_to_union, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,9 +59,11 @@ class EngineLaunches:
     """One torchrun launch per entry of LAUNCHES, made on first use."""
 
     def __init__(self, root: Path):
+        """Launch outputs go under ``root``."""
         self.root, self.done = root, {}
 
     def records(self, name):
+        """Per-rank records of launch ``name``; fails with the workers' errors."""
         if name not in self.done:
             ranks, strategy, sp, phases = LAUNCHES[name]
             out = self.root / name
@@ -74,8 +77,9 @@ class EngineLaunches:
             self.done[name] = (code, err, seconds, records)
         code, err, seconds, records = self.done[name]
         problems = [f"rank {r}: no result" for r, rec in enumerate(records) if rec is None]
-        problems += [f"rank {r}:\n{rec['error']}" for r, rec in enumerate(records)
-                     if rec and "error" in rec]  # fmt: skip
+        problems += [
+            f"rank {r}:\n{rec['error']}" for r, rec in enumerate(records) if rec and "error" in rec
+        ]
         status = "timed out" if code is None else f"exit code {code}"
         assert code == 0 and not problems, (
             f"{name}: {status} after {seconds:.0f} s\n" + "\n".join(problems) + "\n" + err[-3000:]
@@ -106,8 +110,10 @@ def group_problems(calls_by_rank, config_name):
         for group in groups_of([[calls[i]] for calls in calls_by_rank]):
             metrics = [calls_by_rank[r][i]["metrics"] for r in group]
             datas = [calls_by_rank[r][i]["data"] for r in group]
-            problems += [f"call {i}, group {group}: {p}"
-                         for p in compare_to_union(metrics, datas, config_name)]  # fmt: skip
+            problems += [
+                f"call {i}, group {group}: {p}"
+                for p in compare_to_union(metrics, datas, config_name)
+            ]
     return problems
 
 
@@ -131,11 +137,14 @@ def moved(calls_by_rank, start):
 PAPER_START = (0.6, 1.2)
 
 
-@pytest.mark.parametrize("name,phase,config", [
-    ("fsdp2", "sync", "paper_upper_gradient"),
-    ("fsdp2", "authors", "yaml_lower_surrogate"),
-    ("fsdp1", "sync", "paper_upper_gradient"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,phase,config",
+    [
+        ("fsdp2", "sync", "paper_upper_gradient"),
+        ("fsdp2", "authors", "yaml_lower_surrogate"),
+        ("fsdp1", "sync", "paper_upper_gradient"),
+    ],
+)
 def test_engine_group_reaches_bapo_and_ranks_pick_the_union_pair(engine, name, phase, config):
     calls = engine.calls(name, phase)
     assert all(c["is_engine_group"] for rank in calls for c in rank), "a call lacked the group"
@@ -170,6 +179,7 @@ def test_control_released_losses_drops_the_group_and_disagrees(engine):
     records = engine.records("fsdp2")
     calls = [record["phases"]["released"]["calls"] for record in records]
     assert groups_of(calls) == {()}, "the released TrinityPolicyLoss passed a group"
-    assert all(any("sync_across_dp" in w for w in r["phases"]["released"]["warnings"])
-               for r in records)  # fmt: skip
+    assert all(
+        any("sync_across_dp" in w for w in r["phases"]["released"]["warnings"]) for r in records
+    )
     assert not all_agree(calls), pairs_by_call(calls)

@@ -17,13 +17,20 @@ import json
 from pathlib import Path
 
 import pytest
+
 from test_bapo_distributed import torchrun
 
 WORKER = Path(__file__).resolve().parent / "dist_workers" / "engine_worker_checks.py"
 LAUNCH_TIMEOUT_S = 300  # a launch takes 30-60 s here; beyond this something hangs
 RANKS = 2
-BAPO_METRICS = ("bapo_clip_low", "bapo_clip_high", "bapo_positive_contribution",
-                "bapo_target_met", "bapo_search_steps", "bapo_nonfinite_tokens")  # fmt: skip
+BAPO_METRICS = (
+    "bapo_clip_low",
+    "bapo_clip_high",
+    "bapo_positive_contribution",
+    "bapo_target_met",
+    "bapo_search_steps",
+    "bapo_nonfinite_tokens",
+)
 
 # The model settings a CPU needs (eager attention, fp32, no torch.compile, no tokenizer in the
 # tiny model's folder) go through trainer_config, Trinity's way of overriding verl's config.
@@ -79,12 +86,18 @@ def runs(tmp_path_factory):
         root = tmp_path_factory.mktemp(f"sync_{sync}")
         path = root / "config.yaml"
         path.write_text(CONFIG.format(root=root, sync=str(sync).lower(), ranks=RANKS))
-        code, _, err, seconds = torchrun(RANKS, [WORKER, "--out", root, "--config", path],
-                                         timeout_s=LAUNCH_TIMEOUT_S)  # fmt: skip
-        records = [json.loads(p.read_text()) if p.exists() else None
-                   for p in (root / f"rank{r}.json" for r in range(RANKS))]  # fmt: skip
-        problems = [f"rank {r}: " + (rec["error"] if rec else "no result")
-                    for r, rec in enumerate(records) if rec is None or "error" in rec]  # fmt: skip
+        code, _, err, seconds = torchrun(
+            RANKS, [WORKER, "--out", root, "--config", path], timeout_s=LAUNCH_TIMEOUT_S
+        )
+        records = [
+            json.loads(p.read_text()) if p.exists() else None
+            for p in (root / f"rank{r}.json" for r in range(RANKS))
+        ]
+        problems = [
+            f"rank {r}: " + (rec["error"] if rec else "no result")
+            for r, rec in enumerate(records)
+            if rec is None or "error" in rec
+        ]
         status = "timed out" if code is None else f"exit code {code}"
         assert code == 0 and not problems, (
             f"sync={sync}: {status} after {seconds:.0f} s\n" + "\n".join(problems) + err[-3000:]
@@ -122,7 +135,7 @@ def test_sync_off_ranks_differ(runs):
 
 @pytest.mark.parametrize("sync", [True, False])
 def test_update_actor_returns_the_bapo_metrics(runs, sync):
-    """verl gathers each call's metrics over the group: one entry per rank and call."""
+    """Metrics are gathered over the group by verl: one entry per rank and call."""
     records = runs[sync]
     metrics = records[0]["metrics"]
     for name in BAPO_METRICS:

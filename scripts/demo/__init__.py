@@ -1,6 +1,7 @@
 """Helpers for ``scripts/bapo_demo.py``: a small multi-rank PPO-vs-BAPO run on CPU.
 
 ``task`` makes prompts and scores responses, ``policy`` builds and samples the tiny language
-model, ``batch`` lays a rollout out the way verl's engine hands it to the loss, ``worker`` is the
-torchrun entry point, and ``report`` turns the logged metrics into a figure and a summary.
+model, ``batch`` lays a rollout out as Trinity's trainer hands it to the actor, ``engine`` builds
+verl's FSDP training engine on CPU, ``worker`` is the torchrun entry point, and ``report`` turns
+the logged metrics into a figure and a summary.
 """

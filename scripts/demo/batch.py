@@ -1,23 +1,37 @@
-"""Lay a rank's rollout out exactly as verl 0.8's engine hands it to the loss.
+"""Lay a rank's rollout out as Trinity's trainer hands it to the actor.
 
-Trinity's trainer turns the left/right-padded batch into verl's no-padding layout with
+Trinity's ``VERLTrainer._update_actor`` converts the left/right-padded batch with its own
 ``left_right_2_no_padding``: ``input_ids`` and ``position_ids`` become jagged tensors holding
 only the real tokens, ``loss_mask`` copies ``response_mask``, and ``max_seq_len`` /
-``max_response_len`` / ``indices`` ride along as non-tensor data; ``prompts``, ``responses``,
-``attention_mask`` and the per-token fields stay padded. That function packs with flash-attn's
-``unpad_input``, which does not exist on a CPU-only install, so ``to_no_padding`` below builds
-the same fields with plain torch. The split into micro-batches is the engine's own
-``prepare_micro_batches``.
+``max_response_len`` / ``indices`` ride along as non-tensor data. We call that function itself.
+It packs with flash-attention's ``unpad_input``, which a CPU-only install lacks, so
+``use_torch_unpad_input`` gives it the same packing written in plain torch.
 """
-
-from typing import List
 
 import torch
 from tensordict import TensorDict
-from verl.utils import tensordict_utils as tu
-from verl.workers.engine.utils import prepare_micro_batches
 
 from demo.policy import position_ids_for
+
+
+def torch_unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor):
+    """``flash_attn.bert_padding.unpad_input``'s first four results, in plain torch.
+
+    The kept rows of ``hidden_states`` (batch x seq x ...) in row-major order, their flat
+    indices, the cumulative sequence lengths starting at 0, and the longest length.
+    """
+    lengths = attention_mask.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
+    return flat[indices], indices, cu_seqlens, int(lengths.max())
+
+
+def use_torch_unpad_input() -> None:
+    """Point Trinity's ``left_right_2_no_padding`` at ``torch_unpad_input`` (CPU, no flash-attn)."""
+    import trinity.trainer.verl.monkey_patch as trinity_patch
+
+    trinity_patch.unpad_input = torch_unpad_input
 
 
 def rollout_tensordict(
@@ -28,14 +42,15 @@ def rollout_tensordict(
     old_log_probs: torch.Tensor,
     advantages: torch.Tensor,
 ) -> TensorDict:
-    """The padded batch as Trinity's trainer builds it, converted to verl's no-padding form."""
-    input_ids = torch.cat([prompts, responses], dim=1)
+    """The padded batch as Trinity's trainer holds it, converted by Trinity to no-padding form."""
+    from trinity.trainer.verl.monkey_patch import left_right_2_no_padding
+
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     data = TensorDict(
         {
             "prompts": prompts,
             "responses": responses,
-            "input_ids": input_ids,
+            "input_ids": torch.cat([prompts, responses], dim=1),
             "attention_mask": attention_mask,
             "position_ids": position_ids_for(attention_mask),
             "response_mask": response_mask,
@@ -44,34 +59,5 @@ def rollout_tensordict(
         },
         batch_size=[prompts.shape[0]],
     )
-    return to_no_padding(data)
-
-
-def to_no_padding(data: TensorDict) -> TensorDict:
-    """verl's no-padding fields, as ``left_right_2_no_padding`` makes them (see above)."""
-    input_ids = data.pop("input_ids")
-    mask = data["attention_mask"].bool()
-    lengths = mask.sum(dim=1)
-    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-    tu.assign_non_tensor_data(data, "max_seq_len", input_ids.shape[1])
-    tu.assign_non_tensor_data(data, "max_response_len", data["response_mask"].shape[1])
-    tu.assign_non_tensor_data(data, "indices", torch.nonzero(mask.flatten()).flatten())
-    data["input_ids"] = torch.nested.nested_tensor_from_jagged(input_ids[mask], offsets=offsets)
-    positions = data["position_ids"][mask]
-    data["position_ids"] = torch.nested.nested_tensor_from_jagged(positions, offsets=offsets)
-    data["loss_mask"] = data["response_mask"]
-    return data
-
-
-def split_micro_batches(data: TensorDict, micro_batches: int, dp_group) -> List[TensorDict]:
-    """The engine's split with a fixed micro-batch size (``use_dynamic_bsz=False``)."""
-    size = len(data) // micro_batches
-    tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=size)
-    parts, _ = prepare_micro_batches(data=data, dp_group=dp_group, same_micro_num_in_dp=True)
-    return parts
-
-
-def padded_inputs(micro_batch: TensorDict):
-    """The padded model inputs of a micro-batch (prompts left-, responses right-padded)."""
-    input_ids = torch.cat([micro_batch["prompts"], micro_batch["responses"]], dim=1)
-    return input_ids, micro_batch["attention_mask"]
+    use_torch_unpad_input()
+    return left_right_2_no_padding(data)

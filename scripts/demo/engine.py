@@ -74,13 +74,17 @@ def build_engine(
 
 
 def engine_batch(
-    data: TensorDict, micro_batch_size: int, use_remove_padding: bool = False
+    data: TensorDict,
+    micro_batch_size: int,
+    use_remove_padding: bool = False,
+    calculate_entropy: bool = False,
 ) -> TensorDict:
     """Add the non-tensor fields the engine reads to a rank's no-padding batch.
 
     With a fixed micro-batch size (no dynamic batching) the engine splits the batch into
     ``len(data) // micro_batch_size`` micro-batches; ``temperature`` 1 keeps the log-probs
-    those of the sampling distribution.
+    those of the sampling distribution; ``calculate_entropy`` adds per-token entropies to the
+    model output the loss receives.
     """
     tu.assign_non_tensor(
         data,
@@ -88,7 +92,7 @@ def engine_batch(
         micro_batch_size_per_gpu=micro_batch_size,
         use_remove_padding=use_remove_padding,
         temperature=1.0,
-        calculate_entropy=False,
+        calculate_entropy=calculate_entropy,
         use_fused_kernels=False,
     )
     return data

@@ -1,10 +1,8 @@
-"""The tiny causal LM, its sampler, and the forward pass the loss sees.
+"""The tiny causal LM and its sampler.
 
-The model is a 2-layer Llama built from a config in code (random init, no download). Sampling
-and training both run plain padded forwards; the training forward then packs its per-token
-log-probs into the jagged layout verl's engine produces (one row per sequence, prompt and
-response together, entry j = log p(token j+1 | tokens <= j)), so the loss unpacks them with
-verl's own ``no_padding_2_padding``.
+The model is a 2-layer Llama built from a config in code (random init, no download). Training
+runs inside verl's engine (``demo.engine``); sampling runs here, on a plain copy of the model
+whose weights are gathered from the engine, with padded forwards.
 """
 
 from typing import Tuple
@@ -42,6 +40,7 @@ def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def logits_for(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Float32 logits of a left-padded batch, positions counting real tokens only."""
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -78,26 +77,3 @@ def sample_responses(
         mask = torch.cat([mask, alive.long()[:, None]], dim=1)
         alive = alive & (token != EOS)
     return responses, response_mask, sampled_lp
-
-
-def packed_log_probs(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, offsets: torch.Tensor
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Next-token log-probs in verl's jagged layout, plus per-position entropies (padded).
-
-    ``offsets`` are the cumulative lengths of the real tokens (the engine's cu_seqlens). The
-    last real position of each row has no next token; it gets 0, and verl never reads it.
-    """
-    logits = logits_for(model, input_ids, attention_mask)
-    log_softmax = F.log_softmax(logits, dim=-1)
-    next_ids = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
-    next_lp = log_softmax.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)
-    last_real = attention_mask.bool() & ~torch.cat(
-        [attention_mask[:, 1:].bool(), torch.zeros_like(attention_mask[:, :1], dtype=torch.bool)],
-        dim=1,
-    )
-    next_lp = next_lp.masked_fill(last_real, 0.0)
-    values = next_lp[attention_mask.bool()]  # row-major: rows one after another
-    nested = torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
-    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
-    return nested, entropy

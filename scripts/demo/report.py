@@ -15,11 +15,13 @@ RHO_TARGET = 0.4
 
 
 def load_metrics(path: Path) -> List[Dict]:
+    """The rows of one metrics.jsonl file."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
 def window_mean(rows: List[Dict], key: str, last: bool) -> float:
+    """Mean of ``key`` over the first or the last WINDOW steps."""
     part = rows[-WINDOW:] if last else rows[:WINDOW]
     return sum(r[key] for r in part) / len(part)
 
@@ -41,8 +43,11 @@ def summarise(rows: List[Dict]) -> Dict:
         "ranks_agree": all(r["ranks_agree"] for r in rows),
         "pair_checks": sum(r["pair_checks"] for r in rows),
         "dp_group_forwarded": all(r["dp_group_forwarded"] for r in rows),
+        "engine": rows[-1].get("engine"),
         "train_wall_s": rows[-1]["wall_s"],
-        "logprob_layout_max_err": max(r["logprob_layout_err"] for r in rows),
+        "logprob_layout_max_err": max(
+            r["logprob_layout_err"] for r in rows if r["logprob_layout_err"] is not None
+        ),
     }
     if "rho_check_err" in rows[0]:
         out["rho_check_max_err"] = max(r["rho_check_err"] for r in rows)
@@ -75,10 +80,21 @@ def plot(runs: Dict[str, List[Dict]], path: Path, title: str) -> None:
             values = [r[key] for r in rows]
             ax.plot(steps, values, color=colour, alpha=0.25, linewidth=0.8)
             ax.plot(steps, _smooth(values), color=colour, linewidth=1.8, label=label)
-        ax_b.plot(steps, [r["clip_high_max"] for r in rows], color=colour, linewidth=1.2,
-                  label=f"{algo} upper")  # fmt: skip
-        ax_b.plot(steps, [r["clip_low_max"] for r in rows], color=colour, linewidth=1.2,
-                  linestyle="--", label=f"{algo} lower")  # fmt: skip
+        ax_b.plot(
+            steps,
+            [r["clip_high_max"] for r in rows],
+            color=colour,
+            linewidth=1.2,
+            label=f"{algo} upper",
+        )
+        ax_b.plot(
+            steps,
+            [r["clip_low_max"] for r in rows],
+            color=colour,
+            linewidth=1.2,
+            linestyle="--",
+            label=f"{algo} lower",
+        )
     ax_r.set_title("reward of the (stale) rollouts")
     ax_e.set_title("token entropy of the current policy")
     ax_rho.set_title("positive contribution rho (Eq. 8) at the pair used")
@@ -112,6 +128,7 @@ def _shrink(path: Path) -> None:
 
 
 def human_summary(summaries: Dict[str, Dict]) -> List[str]:
+    """The summary lines printed before the final JSON line."""
     lines = []
     for algo, s in summaries.items():
         low, high = s["clip_low_range"], s["clip_high_range"]
@@ -129,8 +146,8 @@ def human_summary(summaries: Dict[str, Dict]) -> List[str]:
         lines.append(line)
     layout = max(s["logprob_layout_max_err"] for s in summaries.values())
     lines.append(
-        f"old_log_probs read back through verl's no_padding_2_padding match the sampler's "
-        f"log-probs to {layout:.1e}"
+        f"where the rollout policy was the engine's own weights, the engine's log-probs match "
+        f"the sampler's to {layout:.1e}"
     )
     checks = sum(s["pair_checks"] for s in summaries.values())
     agree = all(s["ranks_agree"] for s in summaries.values())

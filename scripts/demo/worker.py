@@ -1,11 +1,12 @@
 """torchrun entry point: train the tiny LM with PPO and/or BAPO on stale GRPO rollouts.
 
-Every rank samples its own prompts from a policy snapshot that lags ``--staleness`` updates
-behind (Trinity's async mode), scores them, computes GRPO advantages, and trains the current
-policy for ``--epochs`` passes over ``--micro-batches`` micro-batches. The loss is Trinity's
-engine loss, ``TrinityPolicyLoss``, called the way verl's engine calls it, with the data-parallel
-group forwarded; DDP averages the gradients over ranks. Rank 0 writes one JSON line of metrics
-per step to ``<out>/<algo>/metrics.jsonl``.
+The policy lives in verl 0.8's FSDP training engine, ``FSDPEngineWithLMHead`` (FSDP2, gloo, CPU),
+the engine Trinity's actor worker trains with. Every rank samples its own prompts from a copy
+of the policy whose weights are gathered from the engine and lag ``--staleness`` updates behind
+(Trinity's async mode), scores them, computes GRPO advantages, and hands the batch to
+``engine.train_batch`` once per epoch. The engine splits it into micro-batches, runs the model,
+calls Trinity's ``TrinityPolicyLoss`` with its own data-parallel group, and steps the
+optimiser. Rank 0 writes one JSON line of metrics per step to ``<out>/<algo>/metrics.jsonl``.
 
 Run through ``scripts/bapo_demo.py``, which launches it and draws the report.
 """
@@ -14,11 +15,12 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 import warnings
 from collections import deque
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Dict, List
 
@@ -28,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # make `demo` impo
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 PPO_CLIP_LOW, PPO_CLIP_HIGH = 0.2, 0.28  # PPOPolicyLossFn ranges: ratio clipped to [0.8, 1.28]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The worker's flags (the launcher passes its own values)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--algos", default="ppo,bapo", help="comma-separated: ppo, bapo")
     p.add_argument("--steps", type=int, required=True)  # the launcher passes its own
@@ -100,24 +102,64 @@ def require_patched_trinity() -> None:
 class GroupSpy:
     """Stands in for the loss's policy_loss_fn and records which dp_group reached it.
 
-    Proves that the patched TrinityPolicyLoss forwards the engine's group rather than dropping
-    it; every other attribute is the real loss function's.
+    Proves that the engine's group arrives through the patched TrinityPolicyLoss rather than
+    being dropped; every other attribute is the real loss function's.
     """
 
     def __init__(self, inner, expected_group):
+        """Wrap ``inner``; count calls that receive ``expected_group``."""
         self._inner, self._expected = inner, expected_group
         self.calls = self.forwarded = 0
 
     def __getattr__(self, name):
+        """Everything else is the real loss's."""
         return getattr(self._inner, name)
 
     def __call__(self, *args, **kwargs):
+        """Count the call and whether the group arrived, then run the real loss."""
         self.calls += 1
         self.forwarded += int(kwargs.get("dp_group", None) is self._expected)
         return self._inner(*args, **kwargs)
 
 
+class LossTap:
+    """The engine's ``loss_function``: TrinityPolicyLoss, plus a note of what each call saw.
+
+    Collects, per call, the pair used, the loss's metrics and Eq. 8's P and N recomputed here
+    on the same tokens; on the first epoch also the policy's entropy on the responses, and on a
+    step whose rollout policy is the engine's own weights, how far the engine's log-probs are
+    from the sampler's. No collective here: the engine's loop must stay as it is.
+    """
+
+    def __init__(self, loss, algo: str):
+        """Wrap ``loss`` (a TrinityPolicyLoss) for ``algo``."""
+        self.loss, self.algo = loss, algo
+        self.calls: List[Dict] = []
+        self.ent = [0.0, 0.0]
+        self.layout_err = 0.0
+        self.watch_entropy = self.watch_layout = False
+
+    def __call__(self, model_output, data, dp_group=None):
+        """Run the loss as the engine asks, then note what the call saw."""
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        loss, metrics = self.loss(model_output=model_output, data=data, dp_group=dp_group)
+        mask = data["response_mask"].bool()
+        with torch.no_grad():
+            log_prob = no_padding_2_padding(model_output["log_probs"], data)
+            if self.watch_entropy:
+                entropy = no_padding_2_padding(model_output["entropy"], data)
+                self.ent[0] += entropy[mask].sum().item()
+                self.ent[1] += mask.sum().item()
+            if self.watch_layout:
+                gap = (log_prob - data["old_log_probs"])[mask].abs()
+                self.layout_err = max(self.layout_err, gap.max().item() if gap.numel() else 0.0)
+            self.calls.append(call_record(metrics, log_prob, data, mask, self.algo))
+        return loss, metrics
+
+
 def left_pad(rows: List[List[int]], width: int):
+    """Token rows left-padded to ``width``, with their attention mask."""
     from demo.task import PAD
 
     ids = torch.full((len(rows), width), PAD, dtype=torch.long)
@@ -129,12 +171,14 @@ def left_pad(rows: List[List[int]], width: int):
 
 
 def all_sum(values: List[float], group) -> List[float]:
+    """Element-wise sum of ``values`` over the group's ranks."""
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t.tolist()
 
 
 def all_max(value: float, group) -> float:
+    """Largest ``value`` over the group's ranks."""
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.item()
@@ -158,19 +202,16 @@ def surrogate_sums(ratio, adv, mask, low, high):
     return p, n
 
 
-class Rollout:
-    """One step's rollout on this rank, in the engine's micro-batch layout."""
+def make_rollout(behaviour, prompts_gen, sample_gen, args):
+    """This rank's rollout: prompts, sampled responses, rewards, GRPO advantages.
 
-    def __init__(self, micro_batches, rewards: torch.Tensor, layout_err: float):
-        self.micro_batches, self.rewards = micro_batches, rewards
-        self.layout_err = layout_err  # |old_log_probs - sampler's log-probs|, max over tokens
-
-
-def make_rollout(behaviour, prompts_gen, sample_gen, args, group) -> Rollout:
-    from verl.workers.utils.padding import no_padding_2_padding
-
-    from demo.batch import padded_inputs, rollout_tensordict, split_micro_batches
-    from demo.policy import packed_log_probs, sample_responses
+    ``old_log_probs`` are the sampler's own log-probs of the tokens it drew (Trinity's default,
+    ``bypass_old_logprobs``). The batch is laid out as Trinity's trainer hands it to the actor
+    (see ``demo.batch``); the engine does the rest.
+    """
+    from demo.batch import rollout_tensordict
+    from demo.engine import engine_batch
+    from demo.policy import sample_responses
     from demo.task import PROMPT_WIDTH, group_advantages, reward, sample_prompts
 
     rows = sample_prompts(args.prompts_per_rank, prompts_gen)
@@ -181,68 +222,39 @@ def make_rollout(behaviour, prompts_gen, sample_gen, args, group) -> Rollout:
     )
     rewards = torch.tensor([reward(p, r) for p, r in zip(rows, responses.tolist())])
     adv = group_advantages(rewards, args.group_size)[:, None] * response_mask
-    zeros = torch.zeros(response_mask.shape)
-    data = rollout_tensordict(prompts, prompt_mask, responses, response_mask, zeros, adv)
-    with torch.no_grad():  # behaviour log-probs: what Trinity passes as old_log_probs
-        ids, attn = padded_inputs(data)
-        nested, _ = packed_log_probs(behaviour, ids, attn, data["input_ids"].offsets())
-        data["old_log_probs"] = no_padding_2_padding(nested, data) * response_mask
-    # The jagged round trip must hand back, token for token, what the sampler drew with.
-    layout_err = (data["old_log_probs"] - sampled_lp).abs().max().item()
-    return Rollout(split_micro_batches(data, args.micro_batches, group), rewards, layout_err)
+    data = rollout_tensordict(prompts, prompt_mask, responses, response_mask, sampled_lp, adv)
+    size = len(data) // args.micro_batches
+    return engine_batch(data, micro_batch_size=size, calculate_entropy=True), rewards
 
 
-def train_step(ddp, optimizer, loss_fn, rollout, algo, args, group) -> Dict:
-    """Epochs x micro-batches on one rollout; returns this rank's raw sums and the pairs used."""
-    from verl.workers.utils.padding import no_padding_2_padding
-
-    from demo.batch import padded_inputs
-    from demo.policy import packed_log_probs
-    from demo.task import PROMPT_WIDTH, RESPONSE_LEN
-
-    calls, grad_norms = [], []
-    ent_sum = ent_count = 0.0
-    for epoch in range(args.epochs):
-        optimizer.zero_grad(set_to_none=True)
-        for i, mb in enumerate(rollout.micro_batches):
-            last = i == len(rollout.micro_batches) - 1
-            with nullcontext() if last else ddp.no_sync():
-                ids, attn = padded_inputs(mb)
-                nested, entropy = packed_log_probs(ddp, ids, attn, mb["input_ids"].offsets())
-                loss, metrics = loss_fn(model_output={"log_probs": nested}, data=mb, dp_group=group)
-                loss.backward()
-            mask = mb["response_mask"].bool()
-            if epoch == 0:  # the policy's entropy on this step's responses, before updating
-                resp_ent = entropy[:, PROMPT_WIDTH - 1 : PROMPT_WIDTH - 1 + RESPONSE_LEN]
-                ent_sum += resp_ent[mask].sum().item()
-                ent_count += mask.sum().item()
-            calls.append(
-                call_record(
-                    metrics, nested, mb, mask, algo, group, no_padding_2_padding, args.no_sync
-                )
-            )
-        grad_norms.append(torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0).item())
-        optimizer.step()
-    return {"calls": calls, "grad_norms": grad_norms, "ent": (ent_sum, ent_count)}
+def train_step(engine, tap, data, lag: int, args) -> Dict:
+    """``--epochs`` calls of ``engine.train_batch`` on one rollout; returns what the tap saw."""
+    tap.calls, tap.ent, tap.layout_err = [], [0.0, 0.0], 0.0
+    grad_norms = []
+    # One train-mode context per update, as Trinity's actor worker enters it; nothing is
+    # offloaded, so the engine's offload round trip (a full gc.collect each way) is skipped.
+    with engine.train_mode(disable_auto_offload=True):
+        for epoch in range(args.epochs):
+            tap.watch_entropy = epoch == 0  # the policy's entropy on this step's responses
+            tap.watch_layout = epoch == 0 and lag == 0  # rollout policy == engine's weights
+            out = engine.train_batch(data, loss_function=tap)
+            grad_norms.append(float(out["metrics"]["grad_norm"]))
+    return {"calls": tap.calls, "grad_norms": grad_norms, "ent": tuple(tap.ent)}
 
 
-def call_record(metrics, nested, mb, mask, algo, group, unpad, no_sync) -> Dict:
-    """The pair one loss call used, whether all ranks used it, and rho recomputed here."""
+def call_record(metrics, log_prob, data, mask, algo) -> Dict:
+    """The pair one loss call used, its metrics, and Eq. 8's P and N on this rank's tokens."""
     if algo == "bapo":
         low, high = metrics["actor/bapo_clip_low"], metrics["actor/bapo_clip_high"]
     else:
         low, high = 1.0 - PPO_CLIP_LOW, 1.0 + PPO_CLIP_HIGH
-    with torch.no_grad():
-        log_ratio = (unpad(nested, mb) - mb["old_log_probs"]).clamp(-20.0, 20.0)
-        p, n = surrogate_sums(log_ratio.exp(), mb["advantages"], mask, low, high)
-    if not (algo == "bapo" and no_sync):  # the loss searched on the union of the ranks' tokens
-        p, n = all_sum([p, n], group)
-    rho_here = 1.0 if p + n == 0 else p / (p + n)
+    log_ratio = (log_prob - data["old_log_probs"]).clamp(-20.0, 20.0)
+    p, n = surrogate_sums(log_ratio.exp(), data["advantages"], mask, low, high)
     record = {
         "low": low,
         "high": high,
-        "agree": pair_agrees(low, high, group),
-        "rho_independent": rho_here,
+        "p": p,
+        "n": n,
         "clipfrac": metrics["actor/pg_clipfrac"],
         "clipfrac_lower": metrics["actor/pg_clipfrac_lower"],
         "ppo_kl": metrics["actor/ppo_kl"],
@@ -255,16 +267,29 @@ def call_record(metrics, nested, mb, mask, algo, group, unpad, no_sync) -> Dict:
     return record
 
 
+def check_calls(calls: List[Dict], group, synced: bool) -> None:
+    """After a step: all-gather every call's pair, and rho recomputed over the group's tokens.
+
+    Where the loss searched over the group (synced), P and N are summed over the group as the
+    loss summed them; otherwise rho is this rank's own.
+    """
+    for call in calls:
+        call["agree"] = pair_agrees(call["low"], call["high"], group)
+        p, n = all_sum([call["p"], call["n"]], group) if synced else (call["p"], call["n"])
+        call["rho_independent"] = 1.0 if p + n == 0 else p / (p + n)
+
+
 def mean(xs):
+    """Arithmetic mean, None for no values."""
     return sum(xs) / len(xs) if xs else None
 
 
-def step_metrics(step, algo, lag, rollout, result, group, world, started) -> Dict:
+def step_metrics(step, algo, lag, rewards, result, layout_err, group, world, started) -> Dict:
     """Combine this rank's numbers with the other ranks' into the step's JSON line."""
     calls = result["calls"]
     local = [
-        rollout.rewards.sum().item(),
-        float(rollout.rewards.numel()),
+        rewards.sum().item(),
+        float(rewards.numel()),
         result["ent"][0],
         result["ent"][1],
         sum(c["clipfrac"] for c in calls),
@@ -294,7 +319,7 @@ def step_metrics(step, algo, lag, rollout, result, group, world, started) -> Dic
         "ppo_kl": kl / n_calls,
         "pg_loss": mean([c["pg_loss"] for c in calls]),
         "rho_independent": mean(rho_ind),
-        "logprob_layout_err": all_max(rollout.layout_err, group),
+        "logprob_layout_err": layout_err,
         "wall_s": time.time() - started,
         "world_size": world,
     }
@@ -313,20 +338,37 @@ def step_metrics(step, algo, lag, rollout, result, group, world, started) -> Dic
     return row
 
 
-def run(algo: str, args, group, rank: int, world: int) -> None:
+def shared_temp_dir() -> Path:
+    """A temporary folder made by rank 0, its path sent to every rank (same machine)."""
+    path = [tempfile.mkdtemp(prefix="bapo-demo-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    return Path(path[0])
+
+
+def run(algo: str, args, rank: int, world: int) -> None:
+    """Train one algorithm for ``args.steps`` steps in a fresh engine; rank 0 logs."""
+    from demo.engine import build_engine, full_state_dict, save_model
+    from demo.policy import build_model
     from trinity.trainer.verl.losses import TrinityPolicyLoss
 
-    from demo.policy import build_model
-
     started = time.time()
+    behaviour = build_model(args.seed).eval()  # the rollout copy; the engine holds the policy
+    folder = shared_temp_dir()
+    try:
+        save_model(behaviour, folder)
+        size = args.prompts_per_rank * args.group_size // args.micro_batches
+        engine = build_engine(folder, "fsdp2", lr=args.lr, micro_batch_size=size, seed=args.seed)
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+    group = engine.get_data_parallel_group()
     loss_fn = TrinityPolicyLoss(algorithm_config(algo, args.no_sync))
     spy = GroupSpy(loss_fn.policy_loss_fn, group)
     loss_fn.policy_loss_fn = spy
-    model = build_model(args.seed)
-    behaviour = copy.deepcopy(model).eval()
-    ddp = DDP(model, process_group=group)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    snapshots = deque([copy.deepcopy(model.state_dict())], maxlen=args.staleness + 1)
+    tap = LossTap(loss_fn, algo)
+    synced = not (algo == "bapo" and args.no_sync)
+    snapshots = deque([copy.deepcopy(behaviour.state_dict())], maxlen=args.staleness + 1)
     prompts_gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     sample_gen = torch.Generator().manual_seed(args.seed * 1000 + 500 + rank)
 
@@ -337,11 +379,14 @@ def run(algo: str, args, group, rank: int, world: int) -> None:
     for step in range(args.steps):
         lag = len(snapshots) - 1
         behaviour.load_state_dict(snapshots[0])  # the oldest snapshot kept
-        rollout = make_rollout(behaviour, prompts_gen, sample_gen, args, group)
-        result = train_step(ddp, optimizer, loss_fn, rollout, algo, args, group)
-        snapshots.append(copy.deepcopy(model.state_dict()))
-        row = step_metrics(step, algo, lag, rollout, result, group, world, started)
+        data, rewards = make_rollout(behaviour, prompts_gen, sample_gen, args)
+        result = train_step(engine, tap, data, lag, args)
+        snapshots.append(full_state_dict(engine))
+        check_calls(result["calls"], group, synced)
+        layout_err = all_max(tap.layout_err, group) if lag == 0 else None
+        row = step_metrics(step, algo, lag, rewards, result, layout_err, group, world, started)
         row["dp_group_forwarded"] = spy.forwarded == spy.calls
+        row["engine"] = f"{type(engine).__name__} ({engine.engine_config.strategy})"
         if rank == 0:
             sink.write(json.dumps(row) + "\n")
             sink.flush()
@@ -352,6 +397,7 @@ def run(algo: str, args, group, rank: int, world: int) -> None:
 
 
 def progress_line(row: Dict) -> str:
+    """One step's metrics as a console line."""
     rho = row["rho"]
     return (
         f"[{row['algo']:4s}] step {row['step']:4d}  reward {row['reward']:.3f}  "
@@ -362,6 +408,7 @@ def progress_line(row: Dict) -> str:
 
 
 def main(argv=None) -> int:
+    """Start gloo, train each algorithm in turn, shut down."""
     args = parse_args(argv)
     torch.set_num_threads(1)
     # A rank that gets no group would choose its own bounds; make that warning fatal here.
@@ -371,10 +418,9 @@ def main(argv=None) -> int:
     require_patched_trinity()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    group = dist.new_group(ranks=list(range(world)))  # the data-parallel group: every rank
     try:
         for algo in args.algos.split(","):
-            run(algo.strip(), args, group, rank, world)
+            run(algo.strip(), args, rank, world)
             dist.barrier()
     finally:
         dist.destroy_process_group()

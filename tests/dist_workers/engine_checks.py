@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from engine_common import PHASES, STEPS, algo_config, make_rank_batch, tiny_model  # noqa: E402
 
 from demo.engine import build_engine, engine_batch, group_ranks, save_model  # noqa: E402
+from engine_common import PHASES, STEPS, algo_config, make_rank_batch, tiny_model  # noqa: E402
 
 
 class LossRecorder:
@@ -44,13 +44,16 @@ class LossRecorder:
     """
 
     def __init__(self, inner, engine_group):
+        """Wrap ``inner``; ``engine_group`` is what a call should receive."""
         self._inner, self._engine_group = inner, engine_group
         self.calls = []
 
     def __getattr__(self, name):
+        """Everything else is the real loss's."""
         return getattr(self._inner, name)
 
     def __call__(self, logprob, dp_group=None, **kwargs):
+        """Run the real loss, then record its inputs, group and metrics."""
         loss, metrics = self._inner(logprob=logprob, dp_group=dp_group, **kwargs)
         data = {
             "logprob": logprob.detach(),
@@ -82,6 +85,7 @@ def load_loss_class(path):
 
 
 def run_phase(engine, phase, args, dp_rank):
+    """Train ``STEPS`` batches with one phase's loss; return what BAPO saw."""
     sync, config_name, released = PHASES[phase]
     loss_class = load_loss_class(args.released_losses if released else None)
     loss = loss_class(algo_config(sync, config_name))
@@ -114,6 +118,7 @@ def apply_fsdp1_cpu_shims():
 
 
 def main():
+    """Build the engine once, run the phases, write this rank's JSON."""
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--strategy", default="fsdp2")

@@ -5,10 +5,10 @@ ranks start from the same weights and each data-parallel rank gets its own, diff
 """
 
 import torch
-from bapo_dist_common import loss_kwargs
 from tensordict import TensorDict
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bapo_dist_common import loss_kwargs
 from demo.batch import rollout_tensordict
 
 VOCAB, PAD = 16, 0

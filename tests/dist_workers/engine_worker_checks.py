@@ -30,9 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from engine_common import make_rank_batch, tiny_model  # noqa: E402
 
+from demo.batch import use_torch_unpad_input  # noqa: E402
 from demo.engine import group_ranks, save_model  # noqa: E402
+from engine_common import make_rank_batch, tiny_model  # noqa: E402
 
 
 def apply_cpu_shims():
@@ -48,43 +49,38 @@ def apply_cpu_shims():
       model on the meta device (only from capability 9); report capability (0, 0), so every
       rank builds it on the CPU.
     - Trinity's ``left_right_2_no_padding`` packs with flash-attention's ``unpad_input``, which
-      a CPU install lacks: the same packing in plain torch (indices of the kept tokens and the
-      cumulative lengths).
+      a CPU install lacks: the same packing in plain torch (``demo.batch.torch_unpad_input``).
     """
     from verl.workers.engine import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
     EngineRegistry.register("language_model", ["fsdp", "fsdp2"], "cpu")(FSDPEngineWithLMHead)
-    for name in ("max_memory_allocated", "max_memory_reserved", "memory_allocated",
-                 "memory_reserved"):  # fmt: skip
+    for name in (
+        "max_memory_allocated",
+        "max_memory_reserved",
+        "memory_allocated",
+        "memory_reserved",
+    ):
         setattr(torch.cpu, name, lambda *args, **kwargs: 0)
     torch.cpu.empty_cache = lambda: None
     torch.cuda.get_device_capability = lambda *args, **kwargs: (0, 0)
 
-    import trinity.trainer.verl.monkey_patch as trinity_patch
-
-    trinity_patch.unpad_input = torch_unpad_input
-
-
-def torch_unpad_input(hidden_states, attention_mask):
-    """flash_attn.bert_padding.unpad_input's first four results, in plain torch."""
-    lengths = attention_mask.sum(dim=-1, dtype=torch.int32)
-    indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
-    cu_seqlens = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
-    flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
-    return flat[indices], indices, cu_seqlens, int(lengths.max())
+    use_torch_unpad_input()
 
 
 class LossSpy:
     """Between TrinityPolicyLoss and BAPO: records the group and the chosen pair per call."""
 
     def __init__(self, inner):
+        """Wrap ``inner`` (BAPO, as set_trinity_config built it)."""
         self._inner, self.calls = inner, []
 
     def __getattr__(self, name):
+        """Everything else is the real loss's."""
         return getattr(self._inner, name)
 
     def __call__(self, *args, dp_group=None, **kwargs):
+        """Run the real loss, then record the group and the pair."""
         loss, metrics = self._inner(*args, dp_group=dp_group, **kwargs)
         self.calls.append(
             {
@@ -97,18 +93,14 @@ class LossSpy:
 
 
 def trainer_batch(rank: int, config):
-    """This rank's share of a batch, padded as Trinity's trainer holds it, then laid out as its
-    ``_update_actor`` lays it out before the dispatch."""
+    """This rank's share of a batch as Trinity's ``_update_actor`` prepares it for the dispatch.
+
+    ``make_rank_batch`` lays it out with Trinity's ``left_right_2_no_padding``; the non-tensor
+    fields are those ``_update_actor`` adds (mini-batch = the whole batch, one epoch).
+    """
     from verl.utils import tensordict_utils as tu
 
-    from trinity.trainer.verl.monkey_patch import left_right_2_no_padding
-
-    packed = make_rank_batch(rank, step=0)
-    padded = packed.select("prompts", "responses", "attention_mask", "response_mask",
-                           "old_log_probs", "advantages").clone()  # fmt: skip
-    padded["input_ids"] = torch.cat([padded["prompts"], padded["responses"]], dim=1)
-    padded["position_ids"] = (padded["attention_mask"].cumsum(dim=1) - 1).clamp(min=0)
-    data = left_right_2_no_padding(padded)
+    data = make_rank_batch(rank, step=0)
     tu.assign_non_tensor(
         data,
         calculate_entropy=False,
@@ -124,6 +116,7 @@ def trainer_batch(rank: int, config):
 
 
 def run(args, rank):
+    """Config file to update_actor on this rank; returns what the checks need."""
     from trinity.common.config import load_config
     from trinity.trainer.verl.config import build_verl_config
     from trinity.trainer.verl.workers import TrinityActorRolloutRefWorker
@@ -146,6 +139,7 @@ def run(args, rank):
 
 
 def main():
+    """Start gloo, apply the CPU shims, run, write this rank's JSON."""
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--config", required=True)
