@@ -58,13 +58,29 @@ TARGETS = {
     "large_grid_peak_rss_over_input": ("peak RSS growth / input", 8.0, None, False),
 }
 SIZES = {
-    "full": dict(loss_shape=(64, 1024), repeats=31, dp_tokens=16384, dp_repeats=15,
-                 rss_tokens=2_000_000, mid_shape=(8, 1024), dp_timeout=420, rss_timeout=300,
-                 loss_timeout=300),
-    "quick": dict(loss_shape=(4, 256), repeats=5, dp_tokens=1024, dp_repeats=3,
-                  rss_tokens=50_000, mid_shape=(2, 256), dp_timeout=150, rss_timeout=60,
-                  loss_timeout=120),
-}  # fmt: skip
+    "full": dict(
+        loss_shape=(64, 1024),
+        repeats=31,
+        dp_tokens=16384,
+        dp_repeats=15,
+        rss_tokens=2_000_000,
+        mid_shape=(8, 1024),
+        dp_timeout=420,
+        rss_timeout=300,
+        loss_timeout=300,
+    ),
+    "quick": dict(
+        loss_shape=(4, 256),
+        repeats=5,
+        dp_tokens=1024,
+        dp_repeats=3,
+        rss_tokens=50_000,
+        mid_shape=(2, 256),
+        dp_timeout=150,
+        rss_timeout=60,
+        loss_timeout=120,
+    ),
+}
 # glibc keeps every block under 1 GiB in its heap and never trims it: freed buffers are reused
 # without new page faults, like a caching allocator.
 STEADY_HEAP = {"MALLOC_MMAP_THRESHOLD_": "1073741824", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
@@ -139,21 +155,29 @@ def bench_loss(clock: Clock, shape, repeats: int, device: str) -> Dict:
     batch = make_batch(shape, seed=0, device=device, requires_grad=True)
     _, metrics = bapo(**batch)
     times = clock.measure({"bapo": lambda: bapo(**batch), "ppo": lambda: ppo(**batch)}, repeats)
-    say(f"## Loss forward on {shape[0]} x {shape[1]} = {batch['logprob'].numel():,} tokens "
-        f"({device}; {clock.name}; median of {repeats}, interleaved)")  # fmt: skip
+    say(
+        f"## Loss forward on {shape[0]} x {shape[1]} = {batch['logprob'].numel():,} tokens "
+        f"({device}; {clock.name}; median of {repeats}, interleaved)"
+    )
     say(
         f"   bapo_search_steps = {metrics['bapo_search_steps']} (paper path: "
         f"{PAPER_PATH_STEPS}), target met = {bool(metrics['bapo_target_met'])}, "
         f"rho = {metrics['bapo_positive_contribution']:.4f}, pair = "
         f"({metrics['bapo_clip_low']}, {metrics['bapo_clip_high']})"
     )
-    faults = {"bapo": faults_per_call(lambda: bapo(**batch)),
-              "ppo": faults_per_call(lambda: ppo(**batch))}  # fmt: skip
-    for name, label in (("ppo", "PPOPolicyLossFn (clip_range 0.2)"),
-                        ("bapo", "BAPOPolicyLossFn (paper defaults)")):  # fmt: skip
+    faults = {
+        "bapo": faults_per_call(lambda: bapo(**batch)),
+        "ppo": faults_per_call(lambda: ppo(**batch)),
+    }
+    for name, label in (
+        ("ppo", "PPOPolicyLossFn (clip_range 0.2)"),
+        ("bapo", "BAPOPolicyLossFn (paper defaults)"),
+    ):
         cpu, wall = times[name]
-        say(f"   {label:46s} {fmt_ms(cpu)}   (wall {fmt_ms(wall)}; "
-            f"{faults[name]} minor faults/call)")  # fmt: skip
+        say(
+            f"   {label:46s} {fmt_ms(cpu)}   (wall {fmt_ms(wall)}; "
+            f"{faults[name]} minor faults/call)"
+        )
 
     def forward_backward(fn):
         batch["logprob"].grad = None
@@ -200,18 +224,20 @@ def bench_stages(clock: Clock, shape, repeats: int, device: str) -> Dict:
         return loss.detach().item()  # pg_loss
 
     stages = {
-        "ratio (sub, clamp, exp; PPO does the same)":
-            lambda: torch.exp(torch.clamp(lp - old, min=-20.0, max=20.0)),
+        "ratio (sub, clamp, exp; PPO does the same)": lambda: torch.exp(
+            torch.clamp(lp - old, min=-20.0, max=20.0)
+        ),
         "finite: isfinite((lp - old) + adv)": lambda: torch.isfinite(raw.detach() + adv),
-        "local_sums (bucketize, 2 bincounts)":
-            lambda: search.local_sums(ratio, adv, am, finite),
+        "local_sums (bucketize, 2 bincounts)": lambda: search.local_sums(ratio, adv, am, finite),
         "decide (host walk over the sums)": lambda: search.decide(sums),
         "clipped loss + metrics (.item() x4)": clipped_loss_and_metrics,
-    }  # fmt: skip
+    }
     times = clock.measure(stages, repeats)
     total = sum(v[0] for v in times.values())
-    say(f"## Where a BAPO forward spends its time ({clock.name}, stages timed apart, median of "
-        f"{repeats}; % of their sum)")  # fmt: skip
+    say(
+        f"## Where a BAPO forward spends its time ({clock.name}, stages timed apart, median of "
+        f"{repeats}; % of their sum)"
+    )
     for name, (cpu, _) in times.items():
         say(f"   {name:46s} {fmt_ms(cpu)}  {100 * cpu / total:5.1f}%")
     say(f"   {'sum of the stages':46s} {fmt_ms(total)}")
@@ -272,13 +298,17 @@ def bench_search(clock: Clock, shape, repeats: int, device: str, mid_shape) -> D
     literal = lambda: literal_search(ratio, adv, mask, PAPER)  # noqa: E731
     times = clock.measure({"literal": literal, "ours": ours}, repeats)
     lit_pair, our_pair = literal(), pair_of(ours())
-    say(f"## Search vs the per-candidate literal loop, {ratio.numel():,} tokens ({device}, "
-        f"{clock.name}, median of {repeats})")  # fmt: skip
+    say(
+        f"## Search vs the per-candidate literal loop, {ratio.numel():,} tokens ({device}, "
+        f"{clock.name}, median of {repeats})"
+    )
     say("   timed, from (ratio, advantages, mask) in hand: ours = BoundSearch.local_sums +")
     say("   decide (finite mask precomputed, as the loss makes it next to the ratio); literal =")
     say("   sign masks + for each pair on the path one pass for P, N and one .item()")
-    for name, label in (("literal", f"literal per-candidate loop ({lit_pair[2] + 1} passes)"),
-                        ("ours", "ours: local_sums + decide")):  # fmt: skip
+    for name, label in (
+        ("literal", f"literal per-candidate loop ({lit_pair[2] + 1} passes)"),
+        ("ours", "ours: local_sums + decide"),
+    ):
         cpu, wall = times[name]
         say(f"   {label:46s} {fmt_ms(cpu)}   (wall {fmt_ms(wall)})")
     mid = mid_path_check(mid_shape) if device == "cpu" else {"ok": True, "skipped": "cpu only"}
@@ -305,12 +335,24 @@ def bench_dp(tokens: int, repeats: int, timeout: int) -> Dict:
     """4 gloo ranks under torchrun; the worker writes its JSON to a temp file."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "dp.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=4", os.path.join(HERE, "bench", "dp_worker.py"),
-               "--out", out, "--tokens-per-rank", str(tokens), "--repeats", str(repeats)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=4",
+            os.path.join(HERE, "bench", "dp_worker.py"),
+            "--out",
+            out,
+            "--tokens-per-rank",
+            str(tokens),
+            "--repeats",
+            str(repeats),
+        ]
         try:
-            proc = subprocess.run(cmd, env=child_env(), timeout=timeout, capture_output=True,
-                                  text=True)  # fmt: skip
+            proc = subprocess.run(
+                cmd, env=child_env(), timeout=timeout, capture_output=True, text=True
+            )
         except subprocess.TimeoutExpired:
             return {"error": f"torchrun timed out after {timeout} s"}
         if proc.returncode != 0 or not os.path.exists(out):
@@ -336,8 +378,13 @@ def bench_dp(tokens: int, repeats: int, timeout: int) -> Dict:
 
 def bench_loss_steady_heap(args, timeout: int) -> Dict:
     """The loss forward again in a child started with ``STEADY_HEAP``; echoes its section."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--loss-only", "--threads",
-           str(args.threads)] + ["--quick"] * args.quick  # fmt: skip
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--loss-only",
+        "--threads",
+        str(args.threads),
+    ] + ["--quick"] * args.quick
     if args.repeats:
         cmd += ["--repeats", str(args.repeats)]
     env = child_env(STEADY_HEAP)
@@ -361,8 +408,16 @@ def bench_rss(tokens: int, timeout: int, info: bool = True) -> Dict:
     env = child_env({"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "0"})
     runs = {}
     for mode in ("search", "loss") if info else ("search",):
-        cmd = [sys.executable, os.path.join(HERE, "bench", "rss_probe.py"), "--tokens",
-               str(tokens), "--grid", "2000", "--mode", mode]  # fmt: skip
+        cmd = [
+            sys.executable,
+            os.path.join(HERE, "bench", "rss_probe.py"),
+            "--tokens",
+            str(tokens),
+            "--grid",
+            "2000",
+            "--mode",
+            mode,
+        ]
         try:
             proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
             runs[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -379,8 +434,10 @@ def bench_rss(tokens: int, timeout: int, info: bool = True) -> Dict:
     )
     how = "reset by /proc/self/clear_refs" if main["peak_reset"] else "NOT reset (underestimate)"
     say(f"   high-water mark {how}; glibc trimming forced so freed memory leaves RSS")
-    for key, label in (("search", "one search: local_sums + decide"),
-                       ("loss", "whole loss forward (info)")):  # fmt: skip
+    for key, label in (
+        ("search", "one search: local_sums + decide"),
+        ("loss", "whole loss forward (info)"),
+    ):
         r = runs.get(key)
         if r is None:
             continue
@@ -405,10 +462,14 @@ def bench_scaling(clock: Clock, quick: bool) -> None:
         adv, mask = b["advantages"], b["action_mask"]
         bmask = mask.bool()
         reps = 3 if n >= 262144 else 7
-        t = clock.measure({
-            "ours": lambda: search.decide(search.local_sums(ratio, adv, bmask, finite)),
-            "literal": lambda: literal_search(ratio, adv, mask, PAPER),
-        }, reps, warmup=1)  # fmt: skip
+        t = clock.measure(
+            {
+                "ours": lambda: search.decide(search.local_sums(ratio, adv, bmask, finite)),
+                "literal": lambda: literal_search(ratio, adv, mask, PAPER),
+            },
+            reps,
+            warmup=1,
+        )
         say(
             f"   {n:9,d} {fmt_ms(t['ours'][0])}  {fmt_ms(t['literal'][0])} "
             f"{t['literal'][0] / t['ours'][0]:8.1f}x"
@@ -424,10 +485,14 @@ def bench_scaling(clock: Clock, quick: bool) -> None:
         kwargs = grid_kwargs(total)
         search = BAPO(**kwargs).search
         steps = search.decide(search.local_sums(ratio, adv, bmask, finite)).steps
-        t = clock.measure({
-            "ours": lambda: search.decide(search.local_sums(ratio, adv, bmask, finite)),
-            "literal": lambda: literal_search(ratio, adv, mask, kwargs),
-        }, 3 if total >= 500 else 5, warmup=1)  # fmt: skip
+        t = clock.measure(
+            {
+                "ours": lambda: search.decide(search.local_sums(ratio, adv, bmask, finite)),
+                "literal": lambda: literal_search(ratio, adv, mask, kwargs),
+            },
+            3 if total >= 500 else 5,
+            warmup=1,
+        )
         count = len(search.upper) + len(search.lower)
         say(
             f"   {count:6d} {steps:6d} {fmt_ms(t['ours'][0])}  {fmt_ms(t['literal'][0])} "
@@ -465,8 +530,10 @@ def summary(figures: Dict, steady_heap: Optional[float]) -> List[str]:
         )
         lines.append(f"   {label:40s} {shown:>10s}   {goal:>19s}   {verdict(key, value)}")
     shown = "n/a" if steady_heap is None else f"{steady_heap:.2f}"
-    lines.append(f"   {'BAPO / PPO loss forward, steady heap':40s} {shown:>10s}   "
-                 f"{'':>19s}   information only")  # fmt: skip
+    lines.append(
+        f"   {'BAPO / PPO loss forward, steady heap':40s} {shown:>10s}   "
+        f"{'':>19s}   information only"
+    )
     lines.append(f"   ({STEADY_HEAP_NOTE})")
     return lines
 
@@ -480,8 +547,11 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=None, help="override repeat count")
     parser.add_argument("--skip-dp", action="store_true", help="skip the torchrun part")
     parser.add_argument("--skip-rss", action="store_true", help="skip the memory subprocesses")
-    parser.add_argument("--loss-only", action="store_true",
-                        help="only the loss timing, then its JSON (steady-heap child)")  # fmt: skip
+    parser.add_argument(
+        "--loss-only",
+        action="store_true",
+        help="only the loss timing, then its JSON (steady-heap child)",
+    )
     return parser.parse_args(argv)
 
 
@@ -496,8 +566,10 @@ def main(argv=None) -> int:
         loss = bench_loss(clock, size["loss_shape"], size["repeats"], "cpu")
         print(json.dumps(dict(loss, malloc=machine.malloc_settings())), flush=True)
         return 0
-    say("# BAPO bound-search benchmark" + (" (--quick: tiny sizes, figures meaningless)"
-                                           if args.quick else ""))  # fmt: skip
+    say(
+        "# BAPO bound-search benchmark"
+        + (" (--quick: tiny sizes, figures meaningless)" if args.quick else "")
+    )
     for line in machine.describe(args.threads, clock.name):
         say("   " + line)
     say()
@@ -571,13 +643,20 @@ def main(argv=None) -> int:
             "dp_collectives": dp.get("collectives"),
             "steady_heap_malloc": steady.get("malloc"),
         },
-        ms={"loss": loss["ms"], "loss_steady_heap": steady.get("ms"), "stages": stages,
+        ms={
+            "loss": loss["ms"],
+            "loss_steady_heap": steady.get("ms"),
+            "stages": stages,
             "search": search["ms"],
-            "dp": {k: v * 1e3 for k, v in dp.get("median_s", {}).items()}},
-        errors={k: v["error"] for k, v in (("steady_heap", steady), ("dp", dp), ("rss", rss))
-                if "error" in v},  # fmt: skip
+            "dp": {k: v * 1e3 for k, v in dp.get("median_s", {}).items()},
+        },
+        errors={
+            k: v["error"]
+            for k, v in (("steady_heap", steady), ("dp", dp), ("rss", rss))
+            if "error" in v
+        },
         cuda=cuda,
-    )  # fmt: skip
+    )
     print(json.dumps(result, default=str), flush=True)
     return 0
 

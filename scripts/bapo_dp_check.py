@@ -30,12 +30,16 @@ def parse_args(argv=None):
     parser.add_argument(
         "--group", default=None, help="comma list of ranks forming the dp group (default WORLD)"
     )
-    parser.add_argument("--search-order", default="upper_first",
-                        choices=("upper_first", "lower_first"))  # fmt: skip
-    parser.add_argument("--contribution", default="surrogate",
-                        choices=("surrogate", "gradient"))  # fmt: skip
-    parser.add_argument("--backend", default=None, choices=("gloo", "nccl"),
-                        help="default: nccl when every rank has a GPU, else gloo")  # fmt: skip
+    parser.add_argument(
+        "--search-order", default="upper_first", choices=("upper_first", "lower_first")
+    )
+    parser.add_argument("--contribution", default="surrogate", choices=("surrogate", "gradient"))
+    parser.add_argument(
+        "--backend",
+        default=None,
+        choices=("gloo", "nccl"),
+        help="default: nccl when every rank has a GPU, else gloo",
+    )
     args = parser.parse_args(argv)
     if args.calls < 1:
         parser.error("--calls must be >= 1")
@@ -99,8 +103,11 @@ def main(argv=None) -> int:
     disagreements = 0
     if rank == 0:
         mode = "sync off" if args.no_sync else "sync on"
-        print(f"BAPO dp check: {world} ranks, group {members}, {backend}, {mode}, "
-              f"{args.search_order}/{args.contribution}", flush=True)  # fmt: skip
+        print(
+            f"BAPO dp check: {world} ranks, group {members}, {backend}, {mode}, "
+            f"{args.search_order}/{args.contribution}",
+            flush=True,
+        )
     for call in range(args.calls):
         row = torch.full((4,), float("nan"), dtype=torch.float64, device=device)
         if rank in members:
@@ -108,10 +115,15 @@ def main(argv=None) -> int:
             _, metrics = loss_fn(**batch, dp_group=group)
             tokens = float(batch["action_mask"].sum())
             row = torch.tensor(
-                [metrics["bapo_clip_low"], metrics["bapo_clip_high"],
-                 metrics["bapo_positive_contribution"], tokens],
-                dtype=torch.float64, device=device,
-            )  # fmt: skip
+                [
+                    metrics["bapo_clip_low"],
+                    metrics["bapo_clip_high"],
+                    metrics["bapo_positive_contribution"],
+                    tokens,
+                ],
+                dtype=torch.float64,
+                device=device,
+            )
         rows = [torch.empty_like(row) for _ in range(world)]
         dist.all_gather(rows, row)
         rows = [r.tolist() for r in rows]

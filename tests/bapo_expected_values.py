@@ -12,7 +12,6 @@ import math
 
 from algorithm.bapo_policy_loss_test import BAPOPolicyLossTest
 from bapo_reference import algorithm1, authors_order, rho
-
 from trinity.algorithm.policy_loss_fn import POLICY_LOSS_FN
 
 AUTHORS = {

@@ -75,17 +75,20 @@ def algorithm1(tokens, a_lo, b_lo, d_lo, a_hi, b_hi, d_hi, rho0, contribution, c
     return float(c_low), float(c_high), steps
 
 
-def authors_order(
-    tokens, a_lo, b_lo, d_lo, a_hi, b_hi, d_hi, rho0, contribution, clip_ratio_c=3.0
-):
+def authors_order(tokens, a_lo, b_lo, d_lo, a_hi, b_hi, d_hi, rho0, contribution, clip_ratio_c=3.0):
     """The authors' code: raise c_low (capped at b-) first, then c_high (capped at b+)."""
     c_low, c_high = _exact(a_lo), _exact(a_hi)
     b_lo, b_hi, d_lo, d_hi = _exact(b_lo), _exact(b_hi), _exact(d_lo), _exact(d_hi)
     steps = 0
-    while rho(tokens, float(c_low), float(c_high), contribution, clip_ratio_c) < rho0 and c_low < b_lo:
+    while (
+        rho(tokens, float(c_low), float(c_high), contribution, clip_ratio_c) < rho0 and c_low < b_lo
+    ):
         c_low = min(c_low + d_lo, b_lo)
         steps += 1
-    while rho(tokens, float(c_low), float(c_high), contribution, clip_ratio_c) < rho0 and c_high < b_hi:
+    while (
+        rho(tokens, float(c_low), float(c_high), contribution, clip_ratio_c) < rho0
+        and c_high < b_hi
+    ):
         c_high = min(c_high + d_hi, b_hi)
         steps += 1
     return float(c_low), float(c_high), steps

@@ -24,9 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-import bapo_reference as ref
 import pytest
 import torch
+
+import bapo_reference as ref
 from dist_workers import bapo_dist_common as common
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,15 +51,24 @@ def torchrun(nproc, argv, timeout_s=LAUNCH_TIMEOUT_S):
     process group this call started is killed, so no worker outlives the test.
     """
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", *map(str, argv),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *map(str, argv),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     started = time.monotonic()
     proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, text=True, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        cmd,
+        cwd=REPO,
+        env=env,
+        text=True,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         out, err = proc.communicate(timeout=timeout_s)
         code = proc.returncode
@@ -93,8 +103,15 @@ class Launches:
         if key not in self.done:
             out = self.tmp_root / f"w{world}_{backend}"
             out.mkdir()
-            argv = [WORKER, "--out", out, "--backend", backend,
-                    "--checks", ",".join(CHECKS_BY_WORLD[world])]  # fmt: skip
+            argv = [
+                WORKER,
+                "--out",
+                out,
+                "--backend",
+                backend,
+                "--checks",
+                ",".join(CHECKS_BY_WORLD[world]),
+            ]
             code, _, err, seconds = torchrun(world, argv)
             records = []
             for rank in range(world):
@@ -134,10 +151,14 @@ with_backend = pytest.mark.parametrize(
     "backend",
     [
         "gloo",
-        pytest.param("nccl", marks=pytest.mark.skipif(
-            not _backend_available("nccl", 2), reason="nccl needs >= 2 CUDA devices")),
+        pytest.param(
+            "nccl",
+            marks=pytest.mark.skipif(
+                not _backend_available("nccl", 2), reason="nccl needs >= 2 CUDA devices"
+            ),
+        ),
     ],
-)  # fmt: skip
+)
 
 
 @with_backend
@@ -174,10 +195,16 @@ def oracle(tokens, name):
         search = ref.algorithm1 if kw["search_order"] == "upper_first" else ref.authors_order
         _ORACLE_CACHE[key] = search(
             tokens,
-            kw["ratio_lower_start"], kw["ratio_lower_max"], kw["ratio_lower_step"],
-            kw["ratio_upper_start"], kw["ratio_upper_max"], kw["ratio_upper_step"],
-            kw["positive_contribution_target"], kw["contribution"], kw["clip_ratio_c"],
-        )  # fmt: skip
+            kw["ratio_lower_start"],
+            kw["ratio_lower_max"],
+            kw["ratio_lower_step"],
+            kw["ratio_upper_start"],
+            kw["ratio_upper_max"],
+            kw["ratio_upper_step"],
+            kw["positive_contribution_target"],
+            kw["contribution"],
+            kw["clip_ratio_c"],
+        )
     return _ORACLE_CACHE[key]
 
 
@@ -221,8 +248,10 @@ def compare_to_union(results, datas, name, prefix=""):
     for rank, (metrics, data) in enumerate(zip(results, datas)):
         got = got_choice(metrics, prefix)
         if got != (low, high, steps):
-            problems.append(f"{name} rank {rank}: (low, high, steps) {got} != union oracle "
-                            f"{(low, high, steps)}")  # fmt: skip
+            problems.append(
+                f"{name} rank {rank}: (low, high, steps) {got} != union oracle "
+                f"{(low, high, steps)}"
+            )
         rho = metrics[prefix + "bapo_positive_contribution"]
         if not math.isclose(rho, want_rho, rel_tol=1e-5, abs_tol=1e-9):
             problems.append(f"{name} rank {rank}: rho {rho} != global rho {want_rho}")
@@ -230,8 +259,9 @@ def compare_to_union(results, datas, name, prefix=""):
             want_loss = reference_token_mean(data, name, low, high)
             got_loss = metrics[prefix + "pg_loss"]
             if not math.isclose(got_loss, want_loss, rel_tol=1e-4, abs_tol=1e-6):
-                problems.append(f"{name} rank {rank}: pg_loss {got_loss} != {want_loss} "
-                                f"at the union pair")  # fmt: skip
+                problems.append(
+                    f"{name} rank {rank}: pg_loss {got_loss} != {want_loss} " f"at the union pair"
+                )
     return problems
 
 
@@ -455,8 +485,10 @@ def test_nonfinite_on_one_rank_keeps_start_pair_everywhere(launches, world, back
             if got != start:
                 problems.append(f"{name} rank {rank}: {got} != start pair {start}")
             if count != rank_result["expected_nonfinite"]:
-                problems.append(f"{name} rank {rank}: bapo_nonfinite_tokens {count} != "
-                                f"{rank_result['expected_nonfinite']}")  # fmt: skip
+                problems.append(
+                    f"{name} rank {rank}: bapo_nonfinite_tokens {count} != "
+                    f"{rank_result['expected_nonfinite']}"
+                )
             if rank != world - 1 and not math.isfinite(run["loss"]):
                 problems.append(f"{name} rank {rank} (all finite): loss {run['loss']}")
     assert not problems, "\n".join(problems)
@@ -468,8 +500,10 @@ def test_nonfinite_on_one_rank_keeps_start_pair_everywhere(launches, world, back
 def union_gradient(result, name):
     """Single-process gradient: token-mean over the union at the union oracle's pair."""
     kw = common.loss_kwargs(name)
-    params = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True)
-              for k, v in result[0]["params"].items()}  # fmt: skip
+    params = {
+        k: torch.tensor(v, dtype=torch.float64, requires_grad=True)
+        for k, v in result[0]["params"].items()
+    }
     pieces, tokens = [], []
     for rank_result in result:
         batch = rank_result["batch"]
@@ -491,8 +525,9 @@ def union_gradient(result, name):
 
 
 def _max_gap(got, want):
-    return max(float((torch.tensor(got[k], dtype=torch.float64) - want[k]).abs().max())
-               for k in want)  # fmt: skip
+    return max(
+        float((torch.tensor(got[k], dtype=torch.float64) - want[k]).abs().max()) for k in want
+    )
 
 
 @with_backend

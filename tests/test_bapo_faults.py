@@ -48,8 +48,7 @@ FAR_AND_TINY = [
     dict(ratio_lower_start=0.5, ratio_lower_max=0.5 + 1e-12, ratio_lower_step=1e-13),
 ]
 
-_MEMORY_PROBE = textwrap.dedent(
-    """
+_MEMORY_PROBE = textwrap.dedent("""
     import json, resource, sys
     import torch
     from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
@@ -74,8 +73,7 @@ _MEMORY_PROBE = textwrap.dedent(
             fn(logprob=logprob, old_logprob=old, action_mask=mask, advantages=adv)
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     print(json.dumps({"grown_kib": grown}))
-    """
-)
+    """)
 
 
 def test_first_call_memory_is_tokens_plus_candidates():

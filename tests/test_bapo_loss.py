@@ -56,8 +56,9 @@ def _pair(metrics):
 def test_all_positive_advantages_keep_start_bounds(order, contribution):
     logprob, old, mask, _ = _batch(spread=0.5)
     adv = torch.rand(mask.shape) + 0.1
-    _, m = _call(BAPOPolicyLossFn(search_order=order, contribution=contribution),
-                 logprob, old, mask, adv)  # fmt: skip
+    _, m = _call(
+        BAPOPolicyLossFn(search_order=order, contribution=contribution), logprob, old, mask, adv
+    )
     assert _pair(m) == PAPER_START and m["bapo_search_steps"] == 0
     assert m["bapo_positive_contribution"] == 1.0 and m["bapo_target_met"] == 1.0
 
@@ -68,8 +69,9 @@ def test_all_negative_advantages_saturate_both_bounds(order, contribution):
     logprob, old, mask, _ = _batch(spread=0.01)
     adv = -torch.rand(mask.shape) - 0.1
     assert ((logprob - old).exp() - 1).abs().max() < 0.05
-    _, m = _call(BAPOPolicyLossFn(search_order=order, contribution=contribution),
-                 logprob, old, mask, adv)  # fmt: skip
+    _, m = _call(
+        BAPOPolicyLossFn(search_order=order, contribution=contribution), logprob, old, mask, adv
+    )
     assert _pair(m) == PAPER_MAX and m["bapo_search_steps"] == PAPER_STEPS
     assert m["bapo_positive_contribution"] == 0.0 and m["bapo_target_met"] == 0.0
 
@@ -77,8 +79,13 @@ def test_all_negative_advantages_saturate_both_bounds(order, contribution):
 @pytest.mark.parametrize("order, contribution", BOTH)
 def test_all_zero_advantages_have_rho_one(order, contribution):
     logprob, old, mask, _ = _batch(spread=0.5)
-    loss, m = _call(BAPOPolicyLossFn(search_order=order, contribution=contribution),
-                    logprob, old, mask, torch.zeros(mask.shape))  # fmt: skip
+    loss, m = _call(
+        BAPOPolicyLossFn(search_order=order, contribution=contribution),
+        logprob,
+        old,
+        mask,
+        torch.zeros(mask.shape),
+    )
     assert _pair(m) == PAPER_START and m["bapo_search_steps"] == 0
     assert m["bapo_positive_contribution"] == 1.0  # P + N == 0: rho is 1 by definition
     assert loss.item() == 0.0
@@ -89,8 +96,9 @@ def test_all_zero_advantages_have_rho_one(order, contribution):
 def test_empty_mask_gives_zero_loss_and_finite_gradient(order, contribution, loss_agg_mode):
     logprob, old, mask, adv = _batch(spread=0.5)
     logprob.requires_grad_(True)
-    fn = BAPOPolicyLossFn(search_order=order, contribution=contribution,
-                          loss_agg_mode=loss_agg_mode)  # fmt: skip
+    fn = BAPOPolicyLossFn(
+        search_order=order, contribution=contribution, loss_agg_mode=loss_agg_mode
+    )
     loss, m = _call(fn, logprob, old, torch.zeros_like(mask), adv)
     loss.backward()
     assert torch.isfinite(loss) and loss.item() == 0.0
@@ -117,8 +125,9 @@ def test_point_lower_range_freezes_upper_bound_under_algorithm1():
 def test_target_zero_keeps_start_bounds(order, contribution):
     logprob, old, mask, _ = _batch(spread=0.01)
     adv = -torch.rand(mask.shape) - 0.1  # rho == 0, still >= a target of 0
-    fn = BAPOPolicyLossFn(positive_contribution_target=0.0, search_order=order,
-                          contribution=contribution)  # fmt: skip
+    fn = BAPOPolicyLossFn(
+        positive_contribution_target=0.0, search_order=order, contribution=contribution
+    )
     _, m = _call(fn, logprob, old, mask, adv)
     assert _pair(m) == PAPER_START and m["bapo_search_steps"] == 0
     assert m["bapo_target_met"] == 1.0
@@ -128,8 +137,9 @@ def test_target_zero_keeps_start_bounds(order, contribution):
 def test_target_one(order, contribution):
     """rho reaches 1 only when no negative token contributes."""
     logprob, old, mask, adv = _batch(spread=0.01)  # mixed signs, ratios near 1
-    fn = BAPOPolicyLossFn(positive_contribution_target=1.0, search_order=order,
-                          contribution=contribution)  # fmt: skip
+    fn = BAPOPolicyLossFn(
+        positive_contribution_target=1.0, search_order=order, contribution=contribution
+    )
     _, m = _call(fn, logprob, old, mask, adv)
     assert _pair(m) == PAPER_MAX and m["bapo_search_steps"] == PAPER_STEPS
     assert m["bapo_target_met"] == 0.0 and 0.0 < m["bapo_positive_contribution"] < 1.0
@@ -153,13 +163,21 @@ def test_point_ranges_equal_ppo(loss_agg_mode, eps_low, eps_high, order):
     mask = (torch.arange(20)[None, :] < lengths[:, None]).float()
     c_low, c_high = 1.0 - eps_low, 1.0 + eps_high
 
-    ppo = PPOPolicyLossFn(clip_range_low=eps_low, clip_range_high=eps_high, clip_ratio_c=3.0,
-                          loss_agg_mode=loss_agg_mode)  # fmt: skip
+    ppo = PPOPolicyLossFn(
+        clip_range_low=eps_low,
+        clip_range_high=eps_high,
+        clip_ratio_c=3.0,
+        loss_agg_mode=loss_agg_mode,
+    )
     bapo = BAPOPolicyLossFn(
-        ratio_lower_start=c_low, ratio_lower_max=c_low,
-        ratio_upper_start=c_high, ratio_upper_max=c_high,
-        clip_ratio_c=3.0, loss_agg_mode=loss_agg_mode, search_order=order,
-    )  # fmt: skip
+        ratio_lower_start=c_low,
+        ratio_lower_max=c_low,
+        ratio_upper_start=c_high,
+        ratio_upper_max=c_high,
+        clip_ratio_c=3.0,
+        loss_agg_mode=loss_agg_mode,
+        search_order=order,
+    )
     results = []
     for fn in (ppo, bapo):
         lp = logprob.clone().requires_grad_(True)
@@ -182,8 +200,9 @@ def test_point_ranges_equal_ppo(loss_agg_mode, eps_low, eps_high, order):
 
 def _ids(cases):
     """Readable test ids: the offending keyword arguments."""
-    return [pytest.param(*case, id=",".join(f"{k}={v}" for k, v in case[0].items()))
-            for case in cases]  # fmt: skip
+    return [
+        pytest.param(*case, id=",".join(f"{k}={v}" for k, v in case[0].items())) for case in cases
+    ]
 
 
 @pytest.mark.parametrize(
@@ -292,8 +311,9 @@ def test_nonfinite_unmasked_tokens_keep_start_bounds(order, contribution):
     old[2, 3] = -math.inf
     adv[3, 4] = math.nan
     logprob[3, 4] = math.nan  # same token as above: counted once
-    _, m = _call(BAPOPolicyLossFn(search_order=order, contribution=contribution),
-                 logprob, old, mask, adv)  # fmt: skip
+    _, m = _call(
+        BAPOPolicyLossFn(search_order=order, contribution=contribution), logprob, old, mask, adv
+    )
     assert m["bapo_nonfinite_tokens"] == 4
     assert _pair(m) == PAPER_START and m["bapo_search_steps"] == 0
 
@@ -327,8 +347,9 @@ def test_nonfinite_masked_tokens_are_ignored(order, contribution):
 @pytest.mark.parametrize("order, contribution", BOTH)
 def test_metrics_are_flat_documented_python_numbers(order, contribution):
     logprob, old, mask, adv = _batch(spread=0.3)
-    _, m = _call(BAPOPolicyLossFn(search_order=order, contribution=contribution),
-                 logprob, old, mask, adv)  # fmt: skip
+    _, m = _call(
+        BAPOPolicyLossFn(search_order=order, contribution=contribution), logprob, old, mask, adv
+    )
     assert set(m) == METRIC_KEYS
     for key, value in m.items():
         assert type(value) in (float, int), (key, type(value))

@@ -13,10 +13,10 @@ import random
 from collections import Counter
 from decimal import Decimal
 
-import bapo_reference as ref
 import pytest
 import torch
 
+import bapo_reference as ref
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 from trinity.algorithm.policy_loss_fn.bapo_search import BoundSearch, candidate_grid, histogram
 
@@ -103,30 +103,50 @@ def _run_case(rng, gen, order, contribution):
     # rho is monotone in each bound, so its range over the box is spanned by the corners.
     # Targets drawn over (and a little past) that span give a mix of outcomes: met at once,
     # met mid-path, never met.
-    corners = [ref.rho(tokens, c_lo, c_hi, contribution, clip_ratio_c)
-               for c_lo in lo[:2] for c_hi in hi[:2]]  # fmt: skip
+    corners = [
+        ref.rho(tokens, c_lo, c_hi, contribution, clip_ratio_c)
+        for c_lo in lo[:2]
+        for c_hi in hi[:2]
+    ]
     target = _draw_target(rng, corners)
 
     c_low, c_high, steps = ORACLES[order](
         tokens, *lo, *hi, target, contribution, clip_ratio_c=clip_ratio_c
     )
     expected_rho = ref.rho(tokens, c_low, c_high, contribution, clip_ratio_c)
-    expected = dict(clip_low=c_low, clip_high=c_high, steps=steps, rho=expected_rho,
-                    met=expected_rho >= target)  # fmt: skip
+    expected = dict(
+        clip_low=c_low, clip_high=c_high, steps=steps, rho=expected_rho, met=expected_rho >= target
+    )
 
     fn = BAPOPolicyLossFn(
-        ratio_lower_start=lo[0], ratio_lower_max=lo[1], ratio_lower_step=lo[2],
-        ratio_upper_start=hi[0], ratio_upper_max=hi[1], ratio_upper_step=hi[2],
-        positive_contribution_target=target, search_order=order, contribution=contribution,
+        ratio_lower_start=lo[0],
+        ratio_lower_max=lo[1],
+        ratio_lower_step=lo[2],
+        ratio_upper_start=hi[0],
+        ratio_upper_max=hi[1],
+        ratio_upper_step=hi[2],
+        positive_contribution_target=target,
+        search_order=order,
+        contribution=contribution,
         clip_ratio_c=clip_ratio_c,
-    )  # fmt: skip
+    )
     _, m = fn(logprob=logprob, old_logprob=old, action_mask=mask, advantages=adv)
-    got = dict(clip_low=m["bapo_clip_low"], clip_high=m["bapo_clip_high"],
-               steps=m["bapo_search_steps"], rho=m["bapo_positive_contribution"],
-               met=bool(m["bapo_target_met"]))  # fmt: skip
+    got = dict(
+        clip_low=m["bapo_clip_low"],
+        clip_high=m["bapo_clip_high"],
+        steps=m["bapo_search_steps"],
+        rho=m["bapo_positive_contribution"],
+        met=bool(m["bapo_target_met"]),
+    )
     on_edge = any(r in (lo[0], lo[1], hi[0], hi[1]) for r, a in tokens if a != 0)
-    info = dict(lower=lo, upper=hi, target=target, clip_ratio_c=clip_ratio_c, n=len(tokens),
-                ratio_on_a_bound=on_edge)  # fmt: skip
+    info = dict(
+        lower=lo,
+        upper=hi,
+        target=target,
+        clip_ratio_c=clip_ratio_c,
+        n=len(tokens),
+        ratio_on_a_bound=on_edge,
+    )
     return got, expected, info
 
 

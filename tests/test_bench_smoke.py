@@ -27,9 +27,13 @@ FIGURES = (
     "large_grid_peak_rss_over_input",
 )
 PAPER_RANGES = dict(
-    ratio_lower_start=0.6, ratio_lower_max=0.9, ratio_lower_step=0.02,
-    ratio_upper_start=1.2, ratio_upper_max=3.0, ratio_upper_step=0.05,
-)  # fmt: skip
+    ratio_lower_start=0.6,
+    ratio_lower_max=0.9,
+    ratio_lower_step=0.02,
+    ratio_upper_start=1.2,
+    ratio_upper_max=3.0,
+    ratio_upper_step=0.05,
+)
 
 sys.path.insert(0, str(SCRIPTS))
 
@@ -117,8 +121,15 @@ def test_literal_loop_walks_algorithm1(seed, negative_share):
         want = ref.algorithm1(tokens, 0.6, 0.9, 0.02, 1.2, 3.0, 0.05, target, "surrogate")
         got = literal_search(ratio, batch["advantages"], batch["action_mask"], grid)
         assert got == want
-    assert literal_search(ratio, batch["advantages"], batch["action_mask"],
-                          dict(PAPER_RANGES, positive_contribution_target=1.0))[2] == 51  # fmt: skip
+    assert (
+        literal_search(
+            ratio,
+            batch["advantages"],
+            batch["action_mask"],
+            dict(PAPER_RANGES, positive_contribution_target=1.0),
+        )[2]
+        == 51
+    )
 
 
 def test_cuda_part_runs_its_code_path_on_cpu():

@@ -48,8 +48,15 @@ SIZES = {
         fwd_bwd_tokens=[4096],
         search_tokens=[4096],
         repeats=3,
-        model=dict(QWEN2_0_5B, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                   num_attention_heads=2, num_key_value_heads=1, vocab_size=256),  # fmt: skip
+        model=dict(
+            QWEN2_0_5B,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=256,
+        ),
         step_shape=(2, 64),
         step_repeats=2,
     ),
@@ -133,9 +140,7 @@ def model_step_ms(config: Dict, shape, device: str, repeats: int) -> float:
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids).loss.backward()
 
-    took = median_ms({"step": step}, repeats, device, warmup=2)["step"]
-    del model
-    return took
+    return median_ms({"step": step}, repeats, device, warmup=2)["step"]
 
 
 def run(device: str, size: str) -> Dict:

@@ -34,10 +34,21 @@ from bench.inputs import PAPER, make_batch, ratio_of  # noqa: E402
 from bench.literal import literal_search  # noqa: E402
 
 COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
-    "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "reduce",
-    "reduce_scatter", "reduce_scatter_tensor", "scatter",
-)  # fmt: skip
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+)
 calls = {"n": 0}
 _original = {}
 

@@ -81,18 +81,22 @@ def main() -> None:
     peak = status_kb("VmHWM")
     steps = result.steps if args.mode == "search" else result[1]["bapo_search_steps"]
     growth = max(0, peak - before) * 1024
-    print(json.dumps({
-        "tokens": batch["logprob"].numel(),
-        "candidates": len(search.upper) + len(search.lower),
-        "mode": args.mode,
-        "input_bytes": input_bytes(batch),
-        "rss_before_kb": before,
-        "peak_kb": peak,
-        "growth_bytes": growth,
-        "ratio": growth / input_bytes(batch),
-        "steps": steps,
-        "peak_reset": exact,
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "tokens": batch["logprob"].numel(),
+                "candidates": len(search.upper) + len(search.lower),
+                "mode": args.mode,
+                "input_bytes": input_bytes(batch),
+                "rss_before_kb": before,
+                "peak_kb": peak,
+                "growth_bytes": growth,
+                "ratio": growth / input_bytes(batch),
+                "steps": steps,
+                "peak_reset": exact,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -18,25 +18,40 @@ CONFIGS: Dict[str, Dict] = {
     "paper_lower_surrogate": dict(search_order="lower_first", contribution="surrogate"),
     "paper_lower_gradient": dict(search_order="lower_first", contribution="gradient"),
     "yaml_lower_surrogate": dict(
-        search_order="lower_first", contribution="surrogate",
-        ratio_lower_start=0.6, ratio_lower_max=0.8, ratio_lower_step=0.05,
-        ratio_upper_start=1.2, ratio_upper_max=2.0, ratio_upper_step=0.05,
+        search_order="lower_first",
+        contribution="surrogate",
+        ratio_lower_start=0.6,
+        ratio_lower_max=0.8,
+        ratio_lower_step=0.05,
+        ratio_upper_start=1.2,
+        ratio_upper_max=2.0,
+        ratio_upper_step=0.05,
         positive_contribution_target=0.5,
     ),
     "script_lower_gradient": dict(
-        search_order="lower_first", contribution="gradient",
-        ratio_lower_start=0.8, ratio_lower_max=0.95, ratio_lower_step=0.1,
-        ratio_upper_start=1.2, ratio_upper_max=2.0, ratio_upper_step=0.3,
+        search_order="lower_first",
+        contribution="gradient",
+        ratio_lower_start=0.8,
+        ratio_lower_max=0.95,
+        ratio_lower_step=0.1,
+        ratio_upper_start=1.2,
+        ratio_upper_max=2.0,
+        ratio_upper_step=0.3,
         positive_contribution_target=1 / 3,
     ),
-}  # fmt: skip
+}
 
 # The paper's Sec. 5.1 values; a config above overrides some of them.
 PAPER = dict(
-    ratio_lower_start=0.6, ratio_lower_max=0.9, ratio_lower_step=0.02,
-    ratio_upper_start=1.2, ratio_upper_max=3.0, ratio_upper_step=0.05,
-    positive_contribution_target=0.4, clip_ratio_c=3.0,
-)  # fmt: skip
+    ratio_lower_start=0.6,
+    ratio_lower_max=0.9,
+    ratio_lower_step=0.02,
+    ratio_upper_start=1.2,
+    ratio_upper_max=3.0,
+    ratio_upper_step=0.05,
+    positive_contribution_target=0.4,
+    clip_ratio_c=3.0,
+)
 
 
 def loss_kwargs(name: str, **extra) -> Dict:
