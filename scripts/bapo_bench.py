@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -57,7 +57,7 @@ TARGETS = {
     "collectives_per_call": ("collectives per synced call", 1, 1, None),
     "large_grid_peak_rss_over_input": ("peak RSS growth / input", 8.0, None, False),
 }
-SIZES = {
+SIZES: Dict[str, Dict[str, Any]] = {
     "full": dict(
         loss_shape=(64, 1024),
         repeats=31,
@@ -91,6 +91,7 @@ STEADY_HEAP_NOTE = (
 
 
 def say(line: str = "") -> None:
+    """Print one line of the report at once."""
     print(line, flush=True)
 
 
@@ -98,11 +99,13 @@ class Clock:
     """Thread CPU time on CPU with one torch thread; wall time otherwise."""
 
     def __init__(self, device: str, threads: int):
+        """Choose the clock for ``device`` and the number of torch threads."""
         self.cpu = device == "cpu" and threads == 1
         self.name = "thread CPU time" if self.cpu else "wall time"
         self.device = device
 
     def sync(self) -> None:
+        """Wait for queued CUDA work, so that a sample covers it."""
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
 
@@ -113,7 +116,7 @@ class Clock:
             for name in names:
                 contenders[name]()
         self.sync()
-        samples = {name: ([], []) for name in names}
+        samples: Dict[str, Tuple[List[float], List[float]]] = {n: ([], []) for n in names}
         for i in range(repeats):
             for name in names[i % len(names) :] + names[: i % len(names)]:
                 self.sync()
@@ -137,10 +140,12 @@ def faults_per_call(fn: Callable, calls: int = 9) -> int:
 
 
 def fmt_ms(seconds: float) -> str:
+    """Format seconds as right-aligned milliseconds."""
     return f"{seconds * 1e3:9.3f} ms"
 
 
 def loss_classes():
+    """Import the two loss classes once torch threads are set."""
     from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
     from trinity.algorithm.policy_loss_fn.ppo_policy_loss import PPOPolicyLossFn
 
@@ -202,8 +207,11 @@ def bench_loss(clock: Clock, shape, repeats: int, device: str) -> Dict:
 
 
 def bench_stages(clock: Clock, shape, repeats: int, device: str) -> Dict:
-    """Where one BAPO forward spends its time: the stages of ``BAPOPolicyLossFn.__call__`` in
-    its order, each timed apart on the previous stage's outputs (same inputs, interleaved)."""
+    """Time the stages of one BAPO forward.
+
+    The stages of ``BAPOPolicyLossFn.__call__`` in its order, each timed apart on the previous
+    stage's outputs (same inputs, interleaved).
+    """
     from trinity.algorithm.utils import masked_mean
 
     BAPO, _ = loss_classes()
@@ -264,13 +272,17 @@ def profile_tables(shape, rows: int) -> None:
 
 # ----------------------------------------------------------------------- search vs literal
 def pair_of(result) -> tuple:
+    """Return (clip_low, clip_high, steps) of a search result."""
     return (result.clip_low, result.clip_high, result.steps)
 
 
 def mid_path_check(shape) -> Dict:
-    """Same pair when the target is met mid-path: the target is set halfway between rho at
-    steps 9 and 10 of the upper phase, so the literal loop and our search must both stop at
-    step 10. (tests/test_bench_smoke.py pins the literal loop to the Algorithm 1 oracle.)"""
+    """Check the same pair when the target is met mid-path.
+
+    The target is set halfway between rho at steps 9 and 10 of the upper phase, so the literal
+    loop and our search must both stop at step 10. (tests/test_bench_smoke.py pins the literal
+    loop to the Algorithm 1 oracle.)
+    """
     BAPO, _ = loss_classes()
     batch = make_batch(shape, seed=7)
     ratio, finite = ratio_of(batch)
@@ -326,6 +338,7 @@ def bench_search(clock: Clock, shape, repeats: int, device: str, mid_shape) -> D
 
 # ------------------------------------------------------------------------- subprocesses
 def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """Return the environment of a benchmark child: one thread, unbuffered output."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(extra or {})
     return env
@@ -450,6 +463,7 @@ def bench_rss(tokens: int, timeout: int, info: bool = True) -> Dict:
 
 # ------------------------------------------------------------------------------ scaling
 def bench_scaling(clock: Clock, quick: bool) -> None:
+    """Print how our search and the literal loop scale with tokens and with candidates."""
     BAPO, _ = loss_classes()
     token_counts = [1024, 4096] if quick else [4096, 16384, 65536, 262144, 1048576]
     say(f"## Scaling with tokens (paper grid, 53 candidates, never met; {clock.name})")
@@ -502,6 +516,7 @@ def bench_scaling(clock: Clock, quick: bool) -> None:
 
 # ------------------------------------------------------------------------------ report
 def verdict(key: str, value) -> str:
+    """Return PASS or MISS for one figure against its target and hard limit."""
     _, target, limit, higher = TARGETS[key]
     if value is None:
         return "MISS (no figure)"
@@ -516,6 +531,7 @@ def verdict(key: str, value) -> str:
 
 
 def summary(figures: Dict, steady_heap: Optional[float]) -> List[str]:
+    """Return the summary table's lines."""
     lines = ["## Summary", f"   {'figure':40s} {'value':>10s}   {'target':>19s}   verdict"]
     for key, (label, target, limit, higher) in TARGETS.items():
         value = figures.get(key)
@@ -539,6 +555,7 @@ def summary(figures: Dict, steady_heap: Optional[float]) -> List[str]:
 
 
 def parse_args(argv=None):
+    """Parse the command line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     parser.add_argument("--scaling", action="store_true", help="also print scaling tables")
@@ -556,6 +573,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    """Run every part of the benchmark and print its JSON line last."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     size = dict(SIZES["quick" if args.quick else "full"])
@@ -588,7 +606,7 @@ def main(argv=None) -> int:
     search = bench_search(clock, size["loss_shape"], size["repeats"], "cpu", size["mid_shape"])
     say()
     if args.skip_dp:
-        dp = {"error": "skipped (--skip-dp)"}
+        dp: Dict[str, Any] = {"error": "skipped (--skip-dp)"}
         say("## Data parallel: skipped (--skip-dp)")
     else:
         dp = bench_dp(size["dp_tokens"], size["dp_repeats"], size["dp_timeout"])
@@ -596,7 +614,7 @@ def main(argv=None) -> int:
             say(f"## Data parallel: FAILED: {dp['error']}")
     say()
     if args.skip_rss:
-        rss = {"error": "skipped (--skip-rss)"}
+        rss: Dict[str, Any] = {"error": "skipped (--skip-rss)"}
         say("## Peak RSS: skipped (--skip-rss)")
     else:
         rss = bench_rss(size["rss_tokens"], size["rss_timeout"], info=not args.quick)

@@ -18,6 +18,7 @@ import sys
 
 
 def parse_args(argv=None):
+    """Parse the command line."""
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="Launch with torchrun; a plain python run acts as a single rank.",
@@ -65,6 +66,7 @@ def random_batch(torch, seed, rank, call, device):
 
 
 def main(argv=None) -> int:
+    """Run the calls, print each rank's pair, exit 1 if synced ranks disagree."""
     args = parse_args(argv)
     import os
 
@@ -124,9 +126,9 @@ def main(argv=None) -> int:
                 dtype=torch.float64,
                 device=device,
             )
-        rows = [torch.empty_like(row) for _ in range(world)]
-        dist.all_gather(rows, row)
-        rows = [r.tolist() for r in rows]
+        gathered = [torch.empty_like(row) for _ in range(world)]
+        dist.all_gather(gathered, row)
+        rows = [r.tolist() for r in gathered]
         pairs = {r: (rows[r][0], rows[r][1]) for r in members}
         agree = len(set(pairs.values())) == 1
         disagreements += not agree

@@ -125,9 +125,12 @@ def test_default_args_are_the_papers():
 
 
 def test_constructor_defaults_match_default_args():
-    """Trinity fills in default_args() only when policy_loss_fn_args is absent; a partial
-    dict (say, only sync_across_dp) gets the constructor's defaults for the rest, so the two
-    must agree for a partial config to still mean the paper's settings."""
+    """Constructor defaults and default_args() agree.
+
+    Trinity fills in default_args() only when policy_loss_fn_args is absent; a partial dict
+    (say, only sync_across_dp) gets the constructor's defaults for the rest, so the two must
+    agree for a partial config to still mean the paper's settings.
+    """
     parameters = inspect.signature(BAPOPolicyLossFn.__init__).parameters
     defaults = {
         name: p.default for name, p in parameters.items() if name not in ("self", "backend")

@@ -3,8 +3,8 @@
 With ``sync_across_dp`` every rank of the dp group must take the decision that one process
 would take on the union of the ranks' tokens. The oracle here is the literal transcription in
 ``bapo_reference`` run on the concatenated token lists, and the single-process gradient is
-recomputed in this process from a loss written from the README's formula, so nothing expected comes from
-the code under test.
+recomputed in this process from a loss written from the README's formula, so nothing expected
+comes from the code under test.
 
 One torchrun launch per world size (2, 3, 4) runs every check in
 ``dist_workers/bapo_checks.py``; each rank writes JSON, and each test below reads one check,
@@ -93,10 +93,12 @@ class Launches:
     """One launch per (world, backend), made on first use and shared by the module."""
 
     def __init__(self, tmp_root):
+        """Keep launches under ``tmp_root``."""
         self.tmp_root = tmp_root
         self.done = {}
 
     def records(self, world, backend):
+        """Return (exit code, stderr, seconds, per-rank records) of one launch."""
         if not _backend_available(backend, world):
             pytest.skip(f"{backend} with {world} ranks needs {max(2, world)} CUDA devices")
         key = (world, backend)
@@ -174,7 +176,7 @@ def test_launch_ends_cleanly(launches, world, backend):
 
 # --------------------------------------------------------------------------- oracle side
 
-_ORACLE_CACHE = {}
+_ORACLE_CACHE: dict = {}
 
 
 def tokens_of(data):
@@ -308,7 +310,7 @@ def union_problems(result, prefix=""):
 @with_backend
 @pytest.mark.parametrize("world", WORLDS)
 def test_every_rank_chooses_the_union_pair(launches, world, backend):
-    """BAPOPolicyLossFn with dp_group=WORLD: all cases x configs against the union oracle."""
+    """Call BAPOPolicyLossFn with dp_group=WORLD: all cases x configs against the oracle."""
     problems = union_problems(launches.check(world, backend, "oracle"))
     assert not problems, "\n".join(problems)
 
@@ -316,7 +318,7 @@ def test_every_rank_chooses_the_union_pair(launches, world, backend):
 @with_backend
 @pytest.mark.parametrize("world", WORLDS)
 def test_trinity_policy_loss_forwards_the_group(launches, world, backend):
-    """TrinityPolicyLoss on the engine's (model_output, data) layout, group forwarded."""
+    """Call TrinityPolicyLoss on the engine's (model_output, data) layout, group forwarded."""
     problems = union_problems(launches.check(world, backend, "trinity"), "actor/")
     assert not problems, "\n".join(problems)
 

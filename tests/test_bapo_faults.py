@@ -93,8 +93,7 @@ def test_first_call_memory_is_tokens_plus_candidates():
 
 @pytest.mark.parametrize("kwargs", FAR_AND_TINY, ids=lambda kw: ",".join(map(str, kw.values())))
 def test_far_points_and_tiny_gaps_clip_where_configured(kwargs):
-    """The chosen pair is a configured candidate and the loss uses it (finite, with PPO's
-    value at that pair)."""
+    """Use the chosen pair in the loss: finite, and PPO's value at that pair."""
     logprob, old, adv = _batch(1)
     mask = torch.ones_like(logprob)
     loss, m = _call(BAPOPolicyLossFn(**kwargs), logprob, old, mask, adv)
@@ -135,7 +134,7 @@ def test_absurd_configs_raise_value_error_naming_the_argument(kwargs, name):
     "convert", [np.float64, np.float32, np.float16, lambda x: torch.tensor(x).item()]
 )
 def test_any_real_number_is_accepted_and_converted(convert):
-    """numpy scalars configure the loss exactly as their float values do."""
+    """Numpy scalars configure the loss exactly as their float values do."""
     values = dict(
         ratio_lower_start=0.6,
         ratio_lower_max=0.9,
@@ -221,8 +220,11 @@ def test_fractional_mask_clip_fractions_equal_ppo(kind):
 @pytest.mark.parametrize("kind", ["uniform_half", "mixed"])
 @pytest.mark.parametrize("contribution", ["surrogate", "gradient"])
 def test_fractional_mask_weighs_tokens_as_the_loss_does(kind, contribution):
-    """rho at a pair: Eq. 8 with each token weighted by its mask, or the share of autograd's
-    gradient of the mask-weighted token sum."""
+    """Weigh each token by its mask in rho.
+
+    rho at a pair: Eq. 8 with each token weighted by its mask, or the share of autograd's
+    gradient of the mask-weighted token sum.
+    """
     logprob, old, adv = (t.double() for t in _batch(5))
     mask = _fractional_mask(5, kind).double()
     low, high = 0.8, 1.3
@@ -252,8 +254,11 @@ def test_fractional_mask_weighs_tokens_as_the_loss_does(kind, contribution):
 
 
 def _autograd_shares(logprob, old, adv, low, high, clip_ratio_c):
-    """Per token: the share of its full gradient |A| r that autograd gives it (1, 1/2 or 0),
-    in the inputs' own precision, with PPO's expressions; and |A| r in float64."""
+    """Return the share of each token's full gradient that autograd gives it, and |A| r.
+
+    The share (1, 1/2 or 0) of |A| r comes from autograd in the inputs' own precision, with
+    PPO's expressions; |A| r is in float64.
+    """
     lp = logprob.clone().requires_grad_(True)
     ratio = torch.exp(torch.clamp(lp - old, -20.0, 20.0))
     per_token = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, low, high))
@@ -267,9 +272,11 @@ def _autograd_shares(logprob, old, adv, low, high, clip_ratio_c):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("pair", [(0.6, 1.2), (0.8, 1.28), (0.9, 3.0), (0.75, 1.5)])
 def test_gradient_contribution_matches_autograd_in_every_precision(dtype, pair):
-    """Ratios in low precision often round exactly onto a bound, where the inclusive clamp
-    keeps their gradient: the search must count them, as autograd does. Advantages in float32,
-    as GRPO computes them."""
+    """Count ratios that round exactly onto a bound, as autograd does.
+
+    In low precision, ratios often land exactly on a bound, where the inclusive clamp keeps
+    their gradient. Advantages in float32, as GRPO computes them.
+    """
     low, high = pair
     logprob, old, adv = _batch(6, n=20000, spread=0.4, dtype=dtype, adv_dtype=torch.float32)
     share, full = _autograd_shares(logprob, old, adv, low, high, 3.0)
@@ -291,9 +298,12 @@ def test_gradient_contribution_matches_autograd_in_every_precision(dtype, pair):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gradient_contribution_with_half_precision_advantages(dtype):
-    """With the advantages in 16 bits too, the products A r and A c can round to one value
-    though r and c differ; autograd then splits the gradient of such a token in half. That is
-    the only difference left, and it is rare."""
+    """Differ from autograd only on rare product ties.
+
+    With the advantages in 16 bits too, the products A r and A c can round to one value though
+    r and c differ; autograd then splits the gradient of such a token in half. That is the only
+    difference left, and it is rare.
+    """
     logprob, old, adv = _batch(7, n=20000, spread=0.4, dtype=dtype)
     share, full = _autograd_shares(logprob, old, adv, 0.6, 1.2, 3.0)
     ratio = torch.exp(torch.clamp(logprob - old, -20.0, 20.0)).double()

@@ -135,7 +135,7 @@ def test_target_zero_keeps_start_bounds(order, contribution):
 
 @pytest.mark.parametrize("order, contribution", BOTH)
 def test_target_one(order, contribution):
-    """rho reaches 1 only when no negative token contributes."""
+    """Reach rho = 1 only when no negative token contributes."""
     logprob, old, mask, adv = _batch(spread=0.01)  # mixed signs, ratios near 1
     fn = BAPOPolicyLossFn(
         positive_contribution_target=1.0, search_order=order, contribution=contribution

@@ -295,7 +295,8 @@ def test_surrogate_contribution_equals_eq8():
     """The printed Eq. 8: P = sum A min(r, c_high) over A > 0, N = sum |A| max(r, c_low).
 
     Written again here with tensor ops, on purpose: a second oracle, independent of
-    bapo_reference's token loop, for each candidate's sum rather than the decision."""
+    bapo_reference's token loop, for each candidate's sum rather than the decision.
+    """
     gen = torch.Generator().manual_seed(12)
     shape = (5, 30)
     ratio = torch.exp(0.7 * torch.randn(shape, generator=gen, dtype=torch.float64))
@@ -316,8 +317,10 @@ def test_surrogate_contribution_equals_eq8():
 
 
 def test_local_sums_leave_float64_inputs_untouched():
-    """The search works in place on its own float64 copies; with float64 inputs a plain
-    ``.to(float64)`` would alias them and overwrite the ratio the loss still needs."""
+    """Leave the caller's float64 tensors as they were.
+
+    The loss still needs its ratio after the search; no step of the search may write into it.
+    """
     gen = torch.Generator().manual_seed(7)
     ratio = torch.rand(4, 32, generator=gen, dtype=torch.float64) + 0.5
     adv = torch.randn(4, 32, generator=gen, dtype=torch.float64)
@@ -329,8 +332,11 @@ def test_local_sums_leave_float64_inputs_untouched():
 
 
 def test_half_precision_ratio_that_underflows_stays_on_its_side():
-    """In float16, exp(-18) underflows to 0; copysign(0, A < 0) is -0.0, which the signed
-    axis would file with the positive tokens. The token must still count in N at c_low."""
+    """Keep a ratio that underflows in float16 on its own side.
+
+    In float16, exp(-18) underflows to 0, which the signed axis could file with the other
+    sign's tokens. The token must still count in N at c_low.
+    """
     logprob = torch.tensor([[-1.0, -19.0, -1.2]])
     old = torch.full_like(logprob, -1.0)
     adv = torch.tensor([[1.0, -1.0, -0.2]])
@@ -348,8 +354,10 @@ def test_half_precision_ratio_that_underflows_stays_on_its_side():
 
 @pytest.mark.parametrize("lanes", [1, 7, 256])
 def test_histogram_sums_each_bin_whatever_the_lanes(lanes):
-    """The histogram behind every candidate's sums (lanes > 1 is what CUDA uses) against a
-    plain Python loop over the tokens."""
+    """Sum each bin as a plain Python loop over the tokens does, for any lane count.
+
+    The histogram is behind every candidate's sums; lanes > 1 is what CUDA uses.
+    """
     gen = torch.Generator().manual_seed(13)
     bins = torch.randint(0, 55, (5000,), generator=gen)
     weights = torch.rand(5000, 2, generator=gen, dtype=torch.float64)

@@ -133,8 +133,10 @@ def test_literal_loop_walks_algorithm1(seed, negative_share):
 
 
 def test_cuda_part_runs_its_code_path_on_cpu():
-    """The CUDA figures' code, run on the CPU with tiny sizes (a GPU runs it with full ones):
-    every figure the README reports is there and finite."""
+    """Run the CUDA figures' code on the CPU with tiny sizes (a GPU runs the full ones).
+
+    Every figure the README reports is there and finite.
+    """
     from bench import cuda
 
     result = cuda.run("cpu", "quick")

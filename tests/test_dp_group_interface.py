@@ -74,8 +74,11 @@ MASKED_INSIDE = [(0, 2), (2, 0), (2, 4)]  # response tokens excluded from the lo
 
 
 def _source(seed: int = 0) -> Dict[str, torch.Tensor]:
-    """Per-token values of the test batch, right-padded with zeros to the longest response
-    (as Trinity's gather functions pad), plus the flat model log-probs over whole sequences."""
+    """Build per-token values of the test batch and the flat model log-probs.
+
+    Right-padded with zeros to the longest response (as Trinity's gather functions pad), plus
+    the flat model log-probs over whole sequences.
+    """
     gen = torch.Generator().manual_seed(seed)
     batch, width = len(RESPONSE_LENS), max(RESPONSE_LENS)
     valid = torch.zeros(batch, width, dtype=torch.bool)
@@ -205,9 +208,12 @@ def through_engine_loss(name, src, layout, kl_loss_fn="none", **call_kwargs):
 
 
 def called_directly(name, src, kl_loss_fn="none"):
-    """The old behaviour: the loss fn on padded tensors, returned as TrinityPolicyLoss reports
-    it ("actor/" prefix, plus the KL term and `final_loss`); the gradient is scattered back to
-    the flat positions the response tokens came from."""
+    """Run the old behaviour: the loss fn on padded tensors.
+
+    Returned as TrinityPolicyLoss reports it ("actor/" prefix, plus the KL term and
+    `final_loss`); the gradient is scattered back to the flat positions the response tokens
+    came from.
+    """
     algo = algorithm_config(name, kl_loss_fn)
     policy_loss = POLICY_LOSS_FN.get(name)(backend="verl", **algo.policy_loss_fn_args)
     logprob = src["response_logprob"].clone().requires_grad_(True)
@@ -323,10 +329,12 @@ class GroupRecordingLoss(PolicyLossFn):
     """Declares dp_group; records what it receives."""
 
     def __init__(self, backend: str = "verl"):
+        """Record calls in a list."""
         super().__init__(backend=backend)
-        self.calls = []
+        self.calls: List[Dict] = []
 
     def __call__(self, logprob, old_logprob, action_mask, advantages, dp_group=None, **kwargs):
+        """Record the keyword arguments other than the data."""
         self.calls.append({"dp_group": dp_group, "kwargs": dict(kwargs)})
         ratio = torch.exp(logprob - old_logprob)
         loss = -(ratio * advantages * action_mask).sum() / action_mask.sum()
@@ -334,6 +342,7 @@ class GroupRecordingLoss(PolicyLossFn):
 
     @classmethod
     def default_args(cls):
+        """Take no arguments."""
         return {}
 
 
@@ -341,16 +350,19 @@ class KwargsRecordingLoss(PolicyLossFn):
     """Does not declare dp_group, but would swallow it through **kwargs if it were passed."""
 
     def __init__(self, backend: str = "verl"):
+        """Record calls in a list."""
         super().__init__(backend=backend)
-        self.calls = []
+        self.calls: List[Dict] = []
 
     def __call__(self, logprob, old_logprob, action_mask, advantages, **kwargs):
+        """Record the keyword arguments other than the data."""
         self.calls.append(dict(kwargs))
         loss = -(torch.exp(logprob - old_logprob) * advantages * action_mask).sum()
         return loss, {}
 
     @classmethod
     def default_args(cls):
+        """Take no arguments."""
         return {}
 
 

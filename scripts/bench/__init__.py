@@ -1,3 +1,5 @@
-"""Helpers for ``scripts/bapo_bench.py``: inputs, the authors'-style literal search, the
-machine header, the torchrun worker (``dp_worker``) and the peak-memory probe (``rss_probe``).
+"""Helpers for ``scripts/bapo_bench.py``.
+
+Inputs, the per-candidate literal search, the machine header, the CUDA part, the torchrun
+worker (``dp_worker``) and the peak-memory probe (``rss_probe``).
 """

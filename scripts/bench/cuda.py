@@ -15,7 +15,7 @@ code runs on CPU with tiny sizes (``perf_counter``), so the smoke test can exerc
 
 import statistics
 import time
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 
@@ -33,7 +33,7 @@ QWEN2_0_5B = dict(
     rope_theta=1_000_000.0,
     tie_word_embeddings=True,
 )
-SIZES = {
+SIZES: Dict[str, Dict[str, Any]] = {
     "full": dict(
         fwd_tokens=[65_536, 8_388_608],
         fwd_bwd_tokens=[65_536],
@@ -114,6 +114,7 @@ def loss_ms(tokens: int, device: str, repeats: int, backward: bool) -> Dict[str,
 
 
 def search_ms(tokens: int, device: str, repeats: int) -> float:
+    """Return the median ms of local_sums + decide on the paper grid's whole walk."""
     bapo, _ = _losses()
     batch = make_batch(_shape(tokens), seed=0, device=device)
     ratio, finite = ratio_of(batch)

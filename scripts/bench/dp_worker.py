@@ -13,8 +13,8 @@ Each repeat starts at a barrier and makes ``--calls-per-repeat`` calls back to b
 trainer calls the loss micro-batch after micro-batch; with 4 ranks on 2 cores a single call
 would mostly time how long the scheduler keeps a rank off the CPU after the barrier. A step
 waits for its slowest rank, so each repeat takes the maximum over ranks of the time per call;
-the figure is the median over repeats. Collectives are counted by wrapping the torch.distributed functions,
-and rank 0 writes one JSON file.
+the figure is the median over repeats. Collectives are counted by wrapping the
+torch.distributed functions, and rank 0 writes one JSON file.
 """
 
 import argparse
@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -50,12 +51,15 @@ COLLECTIVES = (
     "scatter",
 )
 calls = {"n": 0}
-_original = {}
+_original: Dict[str, Any] = {}
 
 
 def count_collectives() -> None:
-    """Replace each torch.distributed collective by a counting wrapper (module attributes are
-    looked up at call time, so ``bapo_sync``'s ``dist.all_reduce`` goes through it)."""
+    """Replace each torch.distributed collective by a counting wrapper.
+
+    Module attributes are looked up at call time, so ``bapo_sync``'s ``dist.all_reduce`` goes
+    through it.
+    """
     for name in COLLECTIVES:
         fn = getattr(dist, name, None)
         if fn is None:
@@ -78,14 +82,17 @@ def counted(fn) -> int:
 
 
 def uncounted(name):
+    """Run ``name`` with the collective counter off."""
     return _original.get(name, getattr(dist, name))
 
 
 def shape_for(tokens: int):
+    """Return a (rows, 1024) shape holding ``tokens`` tokens."""
     return (max(1, tokens // 1024), min(tokens, 1024))
 
 
 def main() -> None:
+    """Time both searches on every rank and write rank 0's JSON."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens-per-rank", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=15)
@@ -121,7 +128,7 @@ def main() -> None:
     }
     names = list(contenders)
     barrier = uncounted("barrier")
-    samples = {name: [] for name in names}
+    samples: Dict[str, List[float]] = {name: [] for name in names}
     for i in range(args.warmup + args.repeats):
         order = names[i % len(names) :] + names[: i % len(names)]
         for name in order:

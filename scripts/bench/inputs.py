@@ -7,11 +7,11 @@ paper grid (below rho0 = 0.4), and Algorithm 1 walks its whole path (36 upper + 
 The paper's hyper-parameters are kept as they are; only the data is adversarial.
 """
 
-from typing import Dict, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 
-PAPER = dict(  # Sec. 5.1, as BAPOPolicyLossFn.default_args()
+PAPER: Dict[str, Any] = dict(  # Sec. 5.1, as BAPOPolicyLossFn.default_args()
     ratio_lower_start=0.6,
     ratio_lower_max=0.9,
     ratio_lower_step=0.02,
@@ -33,7 +33,7 @@ CANDIDATE_GRIDS = {
 
 
 def grid_kwargs(total: int) -> Dict[str, float]:
-    """BAPOPolicyLossFn keyword arguments for one of CANDIDATE_GRIDS (paper rho0)."""
+    """Return BAPOPolicyLossFn keyword arguments for one of CANDIDATE_GRIDS (paper rho0)."""
     (a_hi, b_hi, d_hi), (a_lo, b_lo, d_lo) = CANDIDATE_GRIDS[total]
     return dict(
         ratio_lower_start=a_lo,
@@ -53,8 +53,10 @@ def make_batch(
     device: str = "cpu",
     requires_grad: bool = False,
 ) -> Dict[str, torch.Tensor]:
-    """One micro-batch: float32 log-probs near an off-policy behaviour policy, a bool mask
-    with ~10% padding, and advantages of magnitude 0.1..1.1 with the given negative share.
+    """Build one micro-batch.
+
+    Float32 log-probs near an off-policy behaviour policy, a bool mask with ~10% padding, and
+    advantages of magnitude 0.1..1.1 with the given negative share.
 
     The log-ratio spread (std 0.3) puts tokens on both sides of every paper bound, so every
     histogram bin and every clamp in the search does real work.

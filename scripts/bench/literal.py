@@ -23,7 +23,7 @@ def _exact(x: float) -> Fraction:
 
 
 def surrogate_share(ratio, advantages, mask, low: float, high: float, all_reduce=None) -> float:
-    """rho at one pair by Eq. 8, read back to the host (the per-candidate host sync)."""
+    """Return rho at one pair by Eq. 8, read back to the host (the per-candidate host sync)."""
     valid = mask.to(ratio.dtype)
     positive = (advantages * torch.clamp(ratio, max=high) * (advantages > 0) * valid).sum()
     negative = (-advantages * torch.clamp(ratio, min=low) * (advantages < 0) * valid).sum()

@@ -6,6 +6,7 @@ import platform
 
 
 def cpu_model() -> str:
+    """Return the CPU model name from /proc/cpuinfo."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -17,6 +18,7 @@ def cpu_model() -> str:
 
 
 def load_average() -> str:
+    """Return the 1-, 5- and 15-minute load averages."""
     try:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
@@ -24,7 +26,7 @@ def load_average() -> str:
 
 
 def malloc_settings() -> str:
-    """glibc tunables in this process's environment: they change how fresh buffers cost."""
+    """Return the glibc tunables in this process's environment (they change buffer costs)."""
     tuned = [
         f"{k}={v}"
         for k, v in sorted(os.environ.items())
@@ -34,6 +36,7 @@ def malloc_settings() -> str:
 
 
 def describe(threads: int, clock: str) -> list:
+    """Return the report's header lines about this machine."""
     import torch
 
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -23,6 +23,7 @@ from bench.inputs import PAPER, grid_kwargs, input_bytes, make_batch, ratio_of  
 
 
 def status_kb(field: str) -> int:
+    """Return one field of /proc/self/status, in kB."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -31,6 +32,7 @@ def status_kb(field: str) -> int:
 
 
 def reset_peak() -> bool:
+    """Reset the peak RSS (VmHWM); return whether the kernel allowed it."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -40,6 +42,7 @@ def reset_peak() -> bool:
 
 
 def main() -> None:
+    """Measure the peak RSS growth of one search and print it as JSON."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=2_000_000)
     parser.add_argument("--grid", default="2000", help="'paper' or a key of CANDIDATE_GRIDS")

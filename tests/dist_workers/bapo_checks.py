@@ -35,17 +35,22 @@ class CollectiveCounter(TorchDispatchMode):
     """Names of the c10d ops (all_reduce, broadcast, barrier, ...) dispatched while active."""
 
     def __init__(self):
+        """Start with no collective seen."""
         super().__init__()
         self.ops = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        """Record c10d ops, then run every op unchanged."""
         if func.namespace == "c10d":
             self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
 
 
 class Context:
+    """This rank's place in the job and its device."""
+
     def __init__(self, args):
+        """Read rank, world size, seed and device from the launch."""
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.seed, self.backend = args.seed, args.backend
         if args.backend == "nccl":
@@ -54,6 +59,7 @@ class Context:
             self.device = torch.device("cpu")
 
     def put(self, data):
+        """Move a case's tensors to this rank's device."""
         return {key: value.to(self.device) for key, value in data.items()}
 
 
@@ -74,6 +80,7 @@ def counted_call(loss_fn, **kwargs):
 
 
 def call_bapo(ctx, loss_fn, data, group):
+    """Call BAPO on one case with ``group``; return metrics, loss and collectives."""
     data = ctx.put(data)
     loss, metrics, ops = counted_call(
         loss_fn,
@@ -290,7 +297,7 @@ NAN_UNMASKED = 2  # NaN log-probs placed on unmasked tokens of the last rank
 
 
 def check_nonfinite(ctx):
-    """NaN log-probs on the last rank only (two unmasked, one masked); everyone else finite."""
+    """Put NaN log-probs on the last rank only (two unmasked, one masked); others finite."""
     data = common.make_case("mixed", ctx.rank, ctx.world, ctx.seed)
     if ctx.rank == ctx.world - 1:
         logprob, mask = data["logprob"].clone(), data["mask"].clone()
@@ -375,6 +382,7 @@ CHECKS = {
 
 
 def main():
+    """Run the named checks in order, writing this rank's JSON after each."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--checks", required=True, help=f"comma list of {sorted(CHECKS)}")

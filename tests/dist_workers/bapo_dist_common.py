@@ -117,6 +117,7 @@ def case_to_lists(data: Dict[str, torch.Tensor]) -> Dict[str, List]:
 
 
 def lists_to_case(data: Dict[str, List]) -> Dict[str, torch.Tensor]:
+    """Turn a case's JSON lists back into tensors."""
     return {
         "logprob": torch.tensor(data["logprob"], dtype=torch.float32),
         "old_logprob": torch.tensor(data["old_logprob"], dtype=torch.float32),
@@ -143,7 +144,7 @@ def tiny_policy_params(seed: int = 0) -> Dict[str, torch.Tensor]:
 
 
 def tiny_policy_logprob(params: Dict[str, torch.Tensor], prev: torch.Tensor, target: torch.Tensor):
-    """log pi(target | prev) for every position."""
+    """Return log pi(target | prev) for every position."""
     logits = params["embed"][prev] @ params["out"]
     return torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
 

@@ -130,6 +130,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         dp_group=None,
         **kwargs,
     ) -> Tuple[torch.Tensor, Dict]:
+        """Choose the clip pair for this micro-batch (over the group); return the clipped loss."""
         shapes = {t.shape for t in (logprob, old_logprob, action_mask, advantages)}
         if len(shapes) != 1:
             raise ValueError(
@@ -176,7 +177,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         low: float,
         high: float,
     ) -> Tuple[torch.Tensor, Dict]:
-        """PPO's clipped surrogate with explicit bounds, plus PPO's dual clip for A < 0.
+        """Compute PPO's clipped surrogate with explicit bounds, and its dual clip for A < 0.
 
         The expressions and metrics are ``PPOPolicyLossFn``'s, so with both ranges collapsed
         to points the loss, its gradient and the clip fractions are PPO's exactly.

@@ -73,7 +73,7 @@ class SearchResult:
 
 
 def positive_share(positive: float, negative: float) -> float:
-    """rho = P / (P + N), defined as 1 where no token contributes."""
+    """Return rho = P / (P + N), defined as 1 where no token contributes."""
     total = positive + negative
     return 1.0 if total == 0 else positive / total
 
@@ -109,6 +109,7 @@ class BoundSearch:
         contribution: str,
         clip_ratio_c: Optional[float],
     ):
+        """Keep the grids and settings, and fingerprint them for the data-parallel check."""
         self.lower, self.upper = lower, upper
         self.target = target
         self.search_order = search_order
@@ -121,13 +122,12 @@ class BoundSearch:
         self._constants: Dict[Tuple[str, torch.dtype], Tuple[torch.Tensor, ...]] = {}
 
     def _constants_on(self, ratio: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """(signed edges, lower, upper, dual clip, fingerprint pair) as float64 on the ratio's
-        device.
+        """Return the signed edges, bounds, dual clip and fingerprint on the ratio's device.
 
-        The bounds are rounded to the ratio's dtype first: ``torch.clamp`` compares a ratio with
-        a bound in the ratio's own dtype, so in bfloat16 the bound 1.2 is 1.203125, and a ratio
-        of 1.203125 still carries gradient. Kept per device and dtype, since a copy per call
-        from host memory would wait on the device.
+        All float64. The bounds are rounded to the ratio's dtype first: ``torch.clamp`` compares
+        a ratio with a bound in the ratio's own dtype, so in bfloat16 the bound 1.2 is 1.203125,
+        and a ratio of 1.203125 still carries gradient. Kept per device and dtype, since a copy
+        per call from host memory would wait on the device.
         """
         key = (str(ratio.device), ratio.dtype)
         if key not in self._constants:
