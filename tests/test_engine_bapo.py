@@ -44,12 +44,10 @@ def released_losses(folder: Path) -> Path:
 
     installed = Path(trinity.__file__).resolve().parent.parent / LOSSES
     patch = next(REPO.glob("patches/*engine-loss-forwards-dp-group*.patch"))
-    copy = folder / "released_losses.py"
+    copy = folder / LOSSES  # the patch's own path, so `git apply` finds it under `folder`
+    copy.parent.mkdir(parents=True)
     shutil.copyfile(installed, copy)
-    subprocess.run(
-        ["patch", "--reverse", "--quiet", "--no-backup-if-mismatch", str(copy), str(patch)],
-        check=True,
-    )
+    subprocess.run(["git", "apply", "--reverse", str(patch)], cwd=folder, check=True)
     assert copy.read_text() != installed.read_text()
     assert "dp_group=dp_group" not in copy.read_text()
     return copy
