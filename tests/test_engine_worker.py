@@ -5,8 +5,8 @@ The worker (``dist_workers/engine_worker_checks.py``) loads the YAML below with 
 ``TrinityActorRolloutRefWorker`` on 2 ranks (verl's ``TrainingWorker`` and FSDP2 engine inside),
 lets ``set_trinity_config`` install ``TrinityPolicyLoss`` and runs one ``update_actor``; only the
 Ray dispatch is bypassed. The run uses the trainer's dynamic batch sizes
-(``use_dynamic_bsz: true``), so the engine packs micro-batches by token count and makes their
-number equal over the data-parallel group.
+(``use_dynamic_bsz: true``): the engine packs micro-batches by token count, and since one rank
+holds longer sequences than the other, it must raise that rank's count to the other's.
 
 Checked: the YAML's ``sync_across_dp`` is what the loss uses; with it on, every loss call gets
 the engine's group and both ranks pick the same pair at every call; with it off they differ on
@@ -60,7 +60,7 @@ trainer:
   trainer_type: verl
   trainer_strategy: fsdp2
   use_dynamic_bsz: true
-  max_token_len_per_gpu: 40
+  max_token_len_per_gpu: 30
   trainer_config:
     model:
       use_remove_padding: false
@@ -120,6 +120,14 @@ def test_yaml_flag_reaches_the_loss_with_the_engine_group(runs, sync):
         for call in record["calls"]:
             assert call["sync_across_dp"] is sync
             assert call["group_ranks"] == record["engine_group"]
+
+
+def test_dynamic_batching_gives_every_rank_the_same_number_of_calls(runs):
+    """The odd rank's longer sequences need more micro-batches; the engine pads the count."""
+    for records in runs.values():
+        own = [record["own_micro_batches"] for record in records]
+        assert len(set(own)) > 1, f"the ranks' token counts do not test equalising: {own}"
+        assert [len(record["calls"]) for record in records] == [max(own)] * RANKS
 
 
 def test_sync_on_ranks_agree_at_every_call(runs):

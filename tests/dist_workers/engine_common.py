@@ -67,13 +67,15 @@ def algo_config(sync: bool, config_name: str):
 def make_rank_batch(dp_rank: int, step: int) -> TensorDict:
     """One data-parallel rank's batch for one step, in verl's no-padding layout.
 
-    Prompts are left-padded, responses right-padded with lengths 2 to 6; every sequence has one
-    advantage (GRPO-like) whose sign follows the rank's share; old log-probs spread so that the
-    ratios to the model's log-probs cover both clip ranges.
+    Prompts are left-padded, responses right-padded, with lengths 2 to 4 on even ranks and 4 to
+    6 on odd ones; every sequence has one advantage (GRPO-like) whose sign follows the rank's
+    share; old log-probs spread so that the ratios to the model's log-probs cover both clip
+    ranges.
     """
     gen = torch.Generator().manual_seed(1000 * dp_rank + step)
-    prompt_len = torch.randint(2, PROMPT_WIDTH + 1, (BATCH,), generator=gen)
-    response_len = torch.randint(2, RESPONSE_LEN + 1, (BATCH,), generator=gen)
+    low = 2 if dp_rank % 2 == 0 else 4  # odd ranks hold longer sequences, so more tokens
+    prompt_len = torch.randint(low, low + 3, (BATCH,), generator=gen)
+    response_len = torch.randint(low, low + 3, (BATCH,), generator=gen)
     columns = torch.arange(PROMPT_WIDTH)
     prompt_mask = (columns >= PROMPT_WIDTH - prompt_len[:, None]).long()
     response_mask = (torch.arange(RESPONSE_LEN) < response_len[:, None]).long()

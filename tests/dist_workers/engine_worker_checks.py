@@ -19,6 +19,7 @@ policy loss records the group and the pair at each call; the returned metrics ar
 
 import argparse
 import json
+import math
 import os
 import sys
 import traceback
@@ -128,12 +129,17 @@ def run(args, rank):
     loss = worker.actor.loss_fn
     spy = LossSpy(loss.policy_loss_fn)
     loss.policy_loss_fn = spy
-    output = worker.update_actor(trainer_batch(rank, config))
+    data = trainer_batch(rank, config)
+    # the micro-batch count this rank's tokens need alone, as verl's dynamic batching counts it
+    tokens = int(data["attention_mask"].sum())
+    own_count = min(len(data), math.ceil(tokens / config.trainer.max_token_len_per_gpu))
+    output = worker.update_actor(data)
     metrics = output.get_non_tensor("metrics") if output is not None else {}
     return {
         "engine_group": group_ranks(worker.actor.engine.get_data_parallel_group()),
         "loss_class": type(loss).__name__,
         "calls": spy.calls,
+        "own_micro_batches": own_count,
         "metrics": {k: v for k, v in metrics.items() if "bapo" in k or k.startswith("pg_")},
     }
 
