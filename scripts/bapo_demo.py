@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -86,7 +87,7 @@ def worker_command(args) -> list:
     ] + (["--no-sync"] if args.no_sync else [])
 
 
-def launch(args, log_path: Path) -> int:
+def launch(args, log_path: Path) -> Optional[int]:
     """Run the workers; stdout (progress) passes through, stderr goes to ``log_path``.
 
     Returns the launcher's exit code, or None on timeout (the whole process group is killed).

@@ -58,7 +58,8 @@ class EngineLaunches:
 
     def __init__(self, root: Path):
         """Launch outputs go under ``root``."""
-        self.root, self.done = root, {}
+        self.root = root
+        self.done: dict = {}
 
     def records(self, name):
         """Per-rank records of launch ``name``; fails with the workers' errors."""

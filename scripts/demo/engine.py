@@ -14,17 +14,18 @@ the data-parallel group), run the forward pass, call the loss with
 """
 
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, cast
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
+from transformers import PreTrainedModel
 from verl.utils import tensordict_utils as tu
 
 FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 
 
-def save_model(model: torch.nn.Module, folder: Path) -> Path:
+def save_model(model: PreTrainedModel, folder: Path) -> Path:
     """Write a model as a Hugging Face folder the engine can load (rank 0 only, then a barrier)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         model.save_pretrained(str(folder), safe_serialization=True)
@@ -104,7 +105,7 @@ def full_state_dict(engine) -> Dict[str, torch.Tensor]:
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=False)
     state = get_model_state_dict(engine.module, options=options)
-    return {name: value.detach().clone() for name, value in state.items()}
+    return {name: cast(torch.Tensor, value).detach().clone() for name, value in state.items()}
 
 
 def group_ranks(group: Optional[dist.ProcessGroup]):

@@ -28,7 +28,7 @@ def build_model(seed: int) -> LlamaForCausalLM:
         bos_token_id=None,
         eos_token_id=EOS,
         tie_word_embeddings=False,
-        attn_implementation="eager",
+        attn_implementation="eager",  # type: ignore[call-arg]  # taken through **kwargs
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)

@@ -340,7 +340,7 @@ def step_metrics(step, algo, lag, rewards, result, layout_err, group, world, sta
 
 def shared_temp_dir() -> Path:
     """A temporary folder made by rank 0, its path sent to every rank (same machine)."""
-    path = [tempfile.mkdtemp(prefix="bapo-demo-") if dist.get_rank() == 0 else None]
+    path = [tempfile.mkdtemp(prefix="bapo-demo-") if dist.get_rank() == 0 else ""]
     dist.broadcast_object_list(path, src=0)
     return Path(path[0])
 
