@@ -2,10 +2,11 @@
 
 ``FSDPEngineWithLMHead`` is the engine Trinity's actor worker trains with. Built directly (verl's
 engine registry lists it for CUDA and NPU only), it runs unchanged on CPU once
-``torch.distributed`` uses gloo, with three settings that CPU needs: eager attention (the
-default is flash-attention), no ``torch.compile``, and fp32 parameters (the default mixed
-precision casts to bf16). The model is a small Llama saved with ``save_pretrained`` to a
-folder, because the engine loads its model from a path.
+``torch.distributed`` uses gloo, given eager attention (the default is flash-attention) and no
+``torch.compile``. We also keep the parameters in fp32 (the default mixed precision computes in
+bf16), so that the engine's log-probs and those of a plain fp32 copy of the model agree. The
+model is a small Llama saved with ``save_pretrained`` to a folder, because the engine loads its
+model from a path.
 
 Each call to ``engine.train_batch(batch, loss_function=...)`` does what Trinity's actor does in
 ``update_actor``: split the rank's batch into micro-batches (the same count on every rank of
