@@ -17,23 +17,28 @@ nccl variants are collected too and skipped unless the machine has a GPU per ran
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import bapo_reference as ref
+from dist_oracle import (
+    REPO,
+    compare_to_union,
+    got_choice,
+    locals_differ,
+    oracle,
+    reference_token_loss,
+    tail,
+    tokens_of,
+    torchrun,
+    union_tokens,
+)
 from dist_workers import bapo_dist_common as common
 
-REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "dist_workers" / "bapo_checks.py"
 DP_CHECK_SCRIPT = REPO / "scripts" / "bapo_dp_check.py"
-LAUNCH_TIMEOUT_S = 150  # a launch takes 10-30 s here; beyond this something hangs
 
 BASE_CHECKS = ["group_none", "oracle", "trinity", "sync_off", "nonfinite", "gradient", "mismatch"]
 CHECKS_BY_WORLD = {2: BASE_CHECKS, 3: BASE_CHECKS + ["subgroup", "nonmember"], 4: BASE_CHECKS}
@@ -42,45 +47,6 @@ ALL_REDUCE = "c10d.allreduce_.default"
 
 
 # --------------------------------------------------------------------------- launching
-
-
-def torchrun(nproc, argv, timeout_s=LAUNCH_TIMEOUT_S):
-    """Run ``torchrun --standalone`` (free rendezvous port, picked by torchrun itself).
-
-    Returns (returncode or None on timeout, stdout, stderr, seconds). On timeout the whole
-    process group this call started is killed, so no worker outlives the test.
-    """
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        *map(str, argv),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    started = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        text=True,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        code = None
-    return code, out, err, time.monotonic() - started
-
-
-def _tail(text, lines=60):
-    return "\n".join(text.strip().splitlines()[-lines:])
 
 
 def _backend_available(backend, world):
@@ -138,7 +104,7 @@ class Launches:
             pytest.fail(
                 f"{where}:\n"
                 + "\n".join(problems)
-                + f"\n--- workers' stderr (tail) ---\n{_tail(err)}"
+                + f"\n--- workers' stderr (tail) ---\n{tail(err)}"
             )
         return [record["checks"][name] for record in records]
 
@@ -169,109 +135,12 @@ def test_launch_ends_cleanly(launches, world, backend):
     """Every check ran and torchrun exited 0 (a check's own test reports its failure)."""
     code, err, seconds, records = launches.records(world, backend)
     status = "timed out" if code is None else f"exit code {code}"
-    assert code == 0, f"{world} ranks: {status} after {seconds:.0f} s\n{_tail(err)}"
+    assert code == 0, f"{world} ranks: {status} after {seconds:.0f} s\n{tail(err)}"
     for rank, record in enumerate(records):
         assert record is not None and list(record["checks"]) == CHECKS_BY_WORLD[world], rank
 
 
 # --------------------------------------------------------------------------- oracle side
-
-_ORACLE_CACHE: dict = {}
-
-
-def tokens_of(data):
-    case = common.lists_to_case(data)
-    return ref.token_lists(case["logprob"], case["old_logprob"], case["mask"], case["advantages"])
-
-
-def union_tokens(datas):
-    """Concatenated token lists of several ranks: what one process would see."""
-    return [token for data in datas for token in tokens_of(data)]
-
-
-def oracle(tokens, name):
-    """(c_low, c_high, steps) of the literal transcription for config ``name``."""
-    key = (tuple(tokens), name)
-    if key not in _ORACLE_CACHE:
-        kw = common.loss_kwargs(name)
-        search = ref.algorithm1 if kw["search_order"] == "upper_first" else ref.authors_order
-        _ORACLE_CACHE[key] = search(
-            tokens,
-            kw["ratio_lower_start"],
-            kw["ratio_lower_max"],
-            kw["ratio_lower_step"],
-            kw["ratio_upper_start"],
-            kw["ratio_upper_max"],
-            kw["ratio_upper_step"],
-            kw["positive_contribution_target"],
-            kw["contribution"],
-            kw["clip_ratio_c"],
-        )
-    return _ORACLE_CACHE[key]
-
-
-def oracle_rho(tokens, name, low, high):
-    kw = common.loss_kwargs(name)
-    return ref.rho(tokens, low, high, kw["contribution"], kw["clip_ratio_c"])
-
-
-def reference_token_loss(ratio, advantages, low, high, clip_ratio_c):
-    """Per-token loss as the README writes it: -min(rA, clip(r)A), then PPO's dual clip."""
-    loss = -torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
-    if clip_ratio_c is not None:
-        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * clip_ratio_c), loss)
-    return loss
-
-
-def reference_token_mean(data, name, low, high):
-    """Token-mean loss of one rank's batch at a given pair (float64, from the lists)."""
-    kw = common.loss_kwargs(name)
-    lp, old = torch.tensor(data["logprob"]).double(), torch.tensor(data["old_logprob"]).double()
-    adv, mask = torch.tensor(data["advantages"]).double(), torch.tensor(data["mask"]).bool()
-    ratio = torch.exp(torch.clamp(lp - old, -20.0, 20.0))
-    losses = reference_token_loss(ratio, adv, low, high, kw["clip_ratio_c"])
-    return float(losses[mask].mean())
-
-
-def got_choice(metrics, prefix=""):
-    return (
-        metrics[prefix + "bapo_clip_low"],
-        metrics[prefix + "bapo_clip_high"],
-        int(metrics[prefix + "bapo_search_steps"]),
-    )
-
-
-def compare_to_union(results, datas, name, prefix=""):
-    """Mismatch descriptions of every rank's choice against the union oracle (empty: all ok)."""
-    union = union_tokens(datas)
-    low, high, steps = oracle(union, name)
-    want_rho = oracle_rho(union, name, low, high)
-    problems = []
-    for rank, (metrics, data) in enumerate(zip(results, datas)):
-        got = got_choice(metrics, prefix)
-        if got != (low, high, steps):
-            problems.append(
-                f"{name} rank {rank}: (low, high, steps) {got} != union oracle "
-                f"{(low, high, steps)}"
-            )
-        rho = metrics[prefix + "bapo_positive_contribution"]
-        if not math.isclose(rho, want_rho, rel_tol=1e-5, abs_tol=1e-9):
-            problems.append(f"{name} rank {rank}: rho {rho} != global rho {want_rho}")
-        if any(map(any, data["mask"])):  # the loss used the synced pair on local tokens
-            want_loss = reference_token_mean(data, name, low, high)
-            got_loss = metrics[prefix + "pg_loss"]
-            if not math.isclose(got_loss, want_loss, rel_tol=1e-4, abs_tol=1e-6):
-                problems.append(
-                    f"{name} rank {rank}: pg_loss {got_loss} != {want_loss} " f"at the union pair"
-                )
-    return problems
-
-
-def locals_differ(datas, name):
-    """Whether some rank alone would choose differently than the union (data can tell)."""
-    union = oracle(union_tokens(datas), name)[:2]
-    return any(oracle(tokens_of(d), name)[:2] != union for d in datas)
-
 
 # --------------------------------------------------------------------------- the test data
 
@@ -568,7 +437,7 @@ def test_dp_check_script_two_ranks():
     script with the all-reduce removed: 'agree: NO' and exit code 1), so this can fail.
     """
     code, out, err, seconds = torchrun(2, [DP_CHECK_SCRIPT, "--calls", "2", "--seed", "3"])
-    assert code == 0, f"exit {code} after {seconds:.0f} s\n{_tail(out)}\n{_tail(err)}"
+    assert code == 0, f"exit {code} after {seconds:.0f} s\n{tail(out)}\n{tail(err)}"
     calls = [line for line in out.splitlines() if line.startswith("call ")]
     assert len(calls) == 2, out
     assert all(line.rstrip().endswith("agree: yes") for line in calls), out

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from test_bapo_distributed import compare_to_union, torchrun
+from dist_oracle import compare_to_union, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "dist_workers" / "engine_checks.py"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from test_bapo_distributed import torchrun
+from dist_oracle import torchrun
 
 WORKER = Path(__file__).resolve().parent / "dist_workers" / "engine_worker_checks.py"
 LAUNCH_TIMEOUT_S = 300  # a launch takes 30-60 s here; beyond this something hangs
