@@ -39,13 +39,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="BAPO against fixed clipping on stale, negative-dominated data (CPU).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    p.add_argument(
+        "--task",
+        choices=("stop", "cover"),
+        default="stop",
+        help="stop: the answer must end with EOS; cover: the environment ends it on success",
+    )
     p.add_argument("--steps", type=int, default=250, help="training steps per run")
     p.add_argument("--seeds", type=int, default=3, help="seeds per variant and level")
     p.add_argument("--workers", type=int, default=2, help="runs trained in parallel")
     p.add_argument("--out", default="runs/experiment", help="output folder")
     p.add_argument("--quick", action="store_true", help="6 steps, 2 seeds: a smoke run")
     p.add_argument("--no-docs", action="store_true", help="do not copy the figure to docs/")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before giving up")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before giving up")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep --out and train only the runs whose metrics lack a line per step",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.seeds = 6, 2
@@ -73,7 +84,7 @@ def init_worker() -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
-def run_one(variant_name: str, seed: int, level: str, steps: int, out: str) -> dict:
+def run_one(variant_name: str, seed: int, level: str, task: str, steps: int, out: str) -> dict:
     """Train one run in a pool process, with the process's gloo group as the dp group."""
     import torch.distributed as dist
     from experiment.trainer import Setting, train
@@ -81,7 +92,7 @@ def run_one(variant_name: str, seed: int, level: str, steps: int, out: str) -> d
 
     variant = {v.name: v for v in all_variants()}[variant_name]
     lag, epochs = LEVELS[level]
-    setting = Setting(level=level, lag=lag, epochs=epochs, steps=steps)
+    setting = Setting(level=level, task=task, lag=lag, epochs=epochs, steps=steps)
     return train(variant, seed, setting, Path(out), dist.group.WORLD)
 
 
@@ -90,16 +101,24 @@ def run_dir(out: Path, level: str, variant: str, seed: int) -> Path:
     return out / level / variant / f"seed{seed}"
 
 
+def finished(where: Path, args) -> bool:
+    """Whether a run wrote all its steps (``--resume`` trains only the others)."""
+    path = where / "metrics.jsonl"
+    return path.exists() and len(path.read_text().splitlines()) == args.steps
+
+
 def train_all(args, names, out: Path, started: float) -> list:
     """Every run, ``args.workers`` at a time; returns the failures (empty when all finished)."""
     jobs = [(v, s, lvl) for lvl in LEVELS for s in range(args.seeds) for v in names]
+    if args.resume:
+        jobs = [(v, s, lvl) for v, s, lvl in jobs if not finished(run_dir(out, lvl, v, s), args)]
     failures = []
     ctx = mp.get_context("spawn")
     with ProcessPoolExecutor(args.workers, mp_context=ctx, initializer=init_worker) as pool:
-        futures = {
-            pool.submit(run_one, v, s, lvl, args.steps, str(run_dir(out, lvl, v, s))): (v, s, lvl)
-            for v, s, lvl in jobs
-        }
+        futures = {}
+        for v, s, lvl in jobs:
+            where = str(run_dir(out, lvl, v, s))
+            futures[pool.submit(run_one, v, s, lvl, args.task, args.steps, where)] = (v, s, lvl)
         try:
             for done, fut in enumerate(as_completed(futures, timeout=args.timeout), 1):
                 v, s, lvl = futures[fut]
@@ -129,8 +148,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.time()
     out = Path(args.out)
-    shutil.rmtree(out, ignore_errors=True)  # never report a previous study's numbers
-    out.mkdir(parents=True)
+    if not args.resume:
+        shutil.rmtree(out, ignore_errors=True)  # never report a previous study's numbers
+    out.mkdir(parents=True, exist_ok=True)
     variants = all_variants()
     names = [v.name for v in variants]
     labels = {v.name: v.label for v in variants}
@@ -140,6 +160,8 @@ def main(argv=None) -> int:
         flush=True,
     )
     failures = train_all(args, names, out, started)
+    every = [run_dir(out, lvl, v, s) for lvl in LEVELS for s in range(args.seeds) for v in names]
+    failures += [f"{where}: unfinished" for where in every if not finished(where, args)]
     if failures:
         print("\n".join(["runs that did not finish:"] + failures), file=sys.stderr)
         return 2
@@ -159,13 +181,14 @@ def main(argv=None) -> int:
     (out / "table.md").write_text(text + "\n")
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     title = (
-        f"tiny Llama, GRPO groups of 8, {args.seeds} seeds, mean ± std; near_on_policy: "
-        f"rollout policy current, 1 epoch; stale: 2 steps behind, 2 epochs"
+        f"task {args.task}: tiny Llama, GRPO groups of 8, {args.seeds} seeds, mean ± std; "
+        f"near_on_policy: rollout policy current, 1 epoch; stale: 2 steps behind, 2 epochs"
     )
     report.plot(runs, labels, out / "report.png", title)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     if not (args.quick or args.no_docs):
-        shutil.copyfile(out / "report.png", ROOT / "docs" / f"experiment_report_{date}.png")
+        docs = ROOT / "docs" / f"experiment_report_{args.task}_{date}.png"
+        shutil.copyfile(out / "report.png", docs)
     print(text)
     print(f"report: {out / 'report.png'}")
     keys = ("final_reward", "final_entropy", "moved_share")
@@ -178,7 +201,8 @@ def main(argv=None) -> int:
             for lvl, per in summary.items()
         },
         "neg_token_share": {lvl: per[names[0]]["neg_token_share"] for lvl, per in summary.items()},
-        "runs_finished": len(names) * args.seeds * len(LEVELS),
+        "runs_finished": len(every),
+        "task": args.task,
         "steps": args.steps,
         "seeds": args.seeds,
         "date": date,

@@ -155,3 +155,34 @@ def test_final_window_and_collapse_rule():
     assert collapsed(fell)  # 0.3 < 0.5 * 0.8
     held = [{"reward": r} for r in [0.1] * 5 + [0.8] * 10 + [0.5] * 5]
     assert not collapsed(held)  # 0.5 >= 0.4
+
+
+def test_cover_reward_hand_examples():
+    """The ``cover`` task's reward: k / length once every prompt token is in, else 0."""
+    from experiment.task import EOS, SEP, reward_cover
+
+    prompt = [3, 4, 5, SEP]
+    assert reward_cover(prompt, [5, 3, 4]) == pytest.approx(1.0)
+    assert reward_cover(prompt, [3, 9, 9, 4, 5]) == pytest.approx(3 / 5)
+    assert reward_cover(prompt, [3, 4, 9, 9, 9, 9, 9, 9, 9, 9]) == 0.0  # limit, not covered
+    assert reward_cover(prompt, [3, 4, EOS]) == 0.0  # stopped before covering
+
+
+def test_cover_sampler_ends_a_response_once_its_goal_is_covered():
+    """With a goal, no response runs past the token that completes it."""
+    import torch
+    from experiment.policy import build_model, sample_responses
+    from experiment.task import EOS, RESPONSE_LEN, goal_tokens
+
+    prompts = torch.tensor([[0, 3, 4, 5, 1]] * 64)
+    mask = torch.tensor([[0, 1, 1, 1, 1]] * 64)
+    goal = goal_tokens([[7, 1]] * 64)  # one wanted token, 7
+    gen = torch.Generator().manual_seed(0)
+    responses, rmask, _ = sample_responses(build_model(0), prompts, mask, gen, goal)
+    stopped_on_goal = 0
+    for row, m in zip(responses.tolist(), rmask.sum(dim=1).tolist()):
+        body = row[:m]
+        assert 7 not in body[:-1]  # the goal token, if present, is the last one
+        assert body[-1] in (7, EOS) or m == RESPONSE_LEN
+        stopped_on_goal += body[-1] == 7
+    assert stopped_on_goal > 0  # some rows did end on the goal (random policy, 64 rows)

@@ -51,12 +51,13 @@ def log_softmax_for(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
 @torch.no_grad()
 def sample_responses(
-    model, prompts: torch.Tensor, prompt_mask: torch.Tensor, generator: torch.Generator
+    model, prompts: torch.Tensor, prompt_mask: torch.Tensor, generator: torch.Generator, goal=None
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample up to RESPONSE_LEN tokens per row at temperature 1.
 
     Returns right-padded ``responses``, ``response_mask`` (a response includes its first EOS)
     and the entropy of the sampling distribution at every response position (masked to 0).
+    With ``goal`` (rows x vocabulary, bool), a row also ends once it holds all its goal tokens.
     """
     batch = prompts.shape[0]
     ids, mask = prompts, prompt_mask
@@ -64,6 +65,7 @@ def sample_responses(
     response_mask = torch.zeros((batch, RESPONSE_LEN), dtype=torch.long)
     entropy = torch.zeros((batch, RESPONSE_LEN))
     alive = torch.ones(batch, dtype=torch.bool)
+    seen = torch.zeros((batch, VOCAB_SIZE), dtype=torch.bool)
     for t in range(RESPONSE_LEN):
         log_probs = log_softmax_for(model, ids, mask)[:, -1]
         token = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(1)
@@ -74,6 +76,9 @@ def sample_responses(
         ids = torch.cat([ids, token[:, None]], dim=1)
         mask = torch.cat([mask, alive.long()[:, None]], dim=1)
         alive = alive & (token != EOS)
+        if goal is not None:
+            seen[torch.arange(batch), token] = True
+            alive = alive & ~(goal <= seen).all(dim=1)
     return responses, response_mask, entropy
 
 

@@ -66,6 +66,8 @@ def run_summary(rows: Sequence[Dict]) -> Dict:
         "neg_token_share": _mean_of(rows, "neg_token_share"),
         "neg_mass_share": _mean_of(rows, "neg_mass_share"),
         "truncated_share": _mean_of(rows, "truncated_share"),
+        "len_pos": _mean_of(rows, "len_pos"),
+        "len_neg": _mean_of(rows, "len_neg"),
     }
 
 
@@ -88,6 +90,8 @@ def group_summary(runs: Sequence[Sequence[Dict]]) -> Dict:
             "neg_token_share",
             "neg_mass_share",
             "truncated_share",
+            "len_pos",
+            "len_neg",
         )
     }
     out["collapsed_runs"] = sum(e["collapsed"] for e in each)

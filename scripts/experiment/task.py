@@ -10,7 +10,14 @@ EOS is truncated and scores 0, as truncated reasoning does in verifiable-reward 
 best answer, 1, is every prompt token once (any order) and then EOS, at most 5 tokens. So the
 answers that fail most are the ones that ramble on to the limit (10 tokens): under GRPO their
 negative advantages are carried by about twice as many tokens as the positive ones, the
-imbalance the BAPO paper (arXiv 2510.18927, Sec. 3) names.
+imbalance the BAPO paper (arXiv 2510.18927, Sec. 3) names. This is the ``stop`` task.
+
+The ``cover`` task was added after the ``stop`` study showed that its failures stop running
+long (see the README): the environment ends a response as soon as it holds every prompt token,
+as a verifier ends an agent's episode once the goal is reached, and scores it
+``k / len(response)``; a response that ends at EOS or at the limit without covering the prompt
+scores 0. So every success is short by construction and a failure is as long as the policy
+keeps going, which is the limit unless it learns to emit EOS, which never pays.
 """
 
 from typing import List, Sequence
@@ -44,6 +51,26 @@ def reward(prompt: Sequence[int], response: Sequence[int]) -> float:
     body = response[: response.index(EOS)]
     wanted = {t for t in prompt if t >= FIRST_CONTENT}
     return len(wanted & set(body)) / max(len(body), len(wanted))
+
+
+def reward_cover(prompt: Sequence[int], response: Sequence[int]) -> float:
+    """``cover`` task: k / length when the response holds every prompt token, else 0."""
+    response = list(response)
+    wanted = {t for t in prompt if t >= FIRST_CONTENT}
+    if EOS in response or not wanted <= set(response):
+        return 0.0
+    return len(wanted) / len(response)
+
+
+REWARDS = {"stop": reward, "cover": reward_cover}
+
+
+def goal_tokens(rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """One row per prompt: which vocabulary entries the ``cover`` task wants to see."""
+    goal = torch.zeros((len(rows), VOCAB_SIZE), dtype=torch.bool)
+    for i, row in enumerate(rows):
+        goal[i, [t for t in row if t >= FIRST_CONTENT]] = True
+    return goal
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:

@@ -22,7 +22,14 @@ from tensordict import TensorDict
 from verl.workers.utils.padding import no_padding_2_padding
 
 from experiment.policy import build_model, packed_log_probs, sample_responses
-from experiment.task import PAD, PROMPT_WIDTH, group_advantages, reward, sample_prompts
+from experiment.task import (
+    PAD,
+    PROMPT_WIDTH,
+    REWARDS,
+    goal_tokens,
+    group_advantages,
+    sample_prompts,
+)
 from experiment.variants import Variant, algorithm_config
 
 GRAD_CLIP = 1.0  # verl's default actor grad_clip
@@ -32,6 +39,7 @@ class Setting(NamedTuple):
     """Everything but the variant and the seed that a run depends on."""
 
     level: str
+    task: str  # "stop" or "cover" (see experiment.task)
     lag: int  # training steps the rollout policy lags behind
     epochs: int
     steps: int
@@ -57,8 +65,11 @@ def rollout(behaviour, gens, setting: Setting):
     rows = sample_prompts(setting.prompts, gens["prompts"])
     rows = [r for r in rows for _ in range(setting.group_size)]
     prompts, prompt_mask = left_pad(rows, PROMPT_WIDTH)
-    responses, response_mask, _ = sample_responses(behaviour, prompts, prompt_mask, gens["sample"])
-    rewards = torch.tensor([reward(p, r) for p, r in zip(rows, responses.tolist())])
+    goal = goal_tokens(rows) if setting.task == "cover" else None
+    responses, response_mask, _ = sample_responses(
+        behaviour, prompts, prompt_mask, gens["sample"], goal
+    )
+    rewards = torch.tensor(scores(setting.task, rows, responses, response_mask))
     adv = group_advantages(rewards, setting.group_size)[:, None] * response_mask
     data = TensorDict(
         {
@@ -74,6 +85,12 @@ def rollout(behaviour, gens, setting: Setting):
         nested = packed_log_probs(behaviour, *model_inputs(data))
         data["old_log_probs"] = no_padding_2_padding(nested, data) * response_mask
     return data, imbalance(rewards, adv, response_mask)
+
+
+def scores(task: str, rows, responses: torch.Tensor, mask: torch.Tensor) -> List[float]:
+    """The task's reward of every response (its tokens under the mask)."""
+    lengths = mask.sum(dim=1).tolist()
+    return [REWARDS[task](p, r[:n]) for p, r, n in zip(rows, responses.tolist(), lengths)]
 
 
 def model_inputs(data: TensorDict):
@@ -131,10 +148,11 @@ def loss_call(loss_fn, model, mb: TensorDict, variant: Variant, group) -> Dict:
 
 
 @torch.no_grad()
-def evaluate(model, prompts, prompt_mask, rows, generator) -> Dict:
+def evaluate(model, prompts, prompt_mask, rows, generator, task: str) -> Dict:
     """Reward and token entropy of the current policy, on fresh samples."""
-    responses, mask, entropy = sample_responses(model, prompts, prompt_mask, generator)
-    rewards = [reward(p, r) for p, r in zip(rows, responses.tolist())]
+    goal = goal_tokens(rows) if task == "cover" else None
+    responses, mask, entropy = sample_responses(model, prompts, prompt_mask, generator, goal)
+    rewards = scores(task, rows, responses, mask)
     return {
         "reward": sum(rewards) / len(rewards),
         "entropy": (entropy.sum() / mask.sum()).item(),
@@ -172,7 +190,9 @@ def train(variant: Variant, seed: int, setting: Setting, out: Path, group) -> Di
                     norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP))
                     optimizer.step()
             snapshots.append(copy.deepcopy(model.state_dict()))
-            fresh = evaluate(model, eval_ids, eval_mask, eval_rows, gens["eval_sample"])
+            fresh = evaluate(
+                model, eval_ids, eval_mask, eval_rows, gens["eval_sample"], setting.task
+            )
             row = step_row(step, lag, calls, norms, fresh, stats)
             sink.write(json.dumps(row) + "\n")
     return {
