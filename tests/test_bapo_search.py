@@ -18,7 +18,7 @@ import torch
 
 import bapo_reference as ref
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
-from trinity.algorithm.policy_loss_fn.bapo_search import BoundSearch, candidate_grid, histogram
+from trinity.algorithm.policy_loss_fn.bapo_search import BoundSearch, candidate_grid, histograms
 
 ORACLES = {"upper_first": ref.algorithm1, "lower_first": ref.authors_order}
 LOWER_STEPS = (0.01, 0.02, 0.025, 0.03, 0.04, 0.05, 0.07, 0.1, 0.15, 0.2)
@@ -365,6 +365,6 @@ def test_histogram_sums_each_bin_whatever_the_lanes(lanes):
     for b, (w0, w1) in zip(bins.tolist(), weights.tolist()):
         want[0, b] += w0
         want[1, b] += w1
-    got = histogram(bins, weights, 56, lanes)
+    got = torch.stack(histograms(bins, [weights[:, 0], weights[:, 1]], 56, lanes))
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
     assert got[:, 55].sum() == 0  # an empty bin stays empty

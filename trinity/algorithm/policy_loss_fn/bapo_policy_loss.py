@@ -140,9 +140,9 @@ class BAPOPolicyLossFn(PolicyLossFn):
             )
         # Masked tokens take part in nothing: zeroed before any arithmetic, so that even a NaN
         # there reaches neither the loss nor its gradient. Live tokens see PPO's exact values.
-        live = action_mask != 0
-        raw_log_ratio = torch.where(live, logprob - old_logprob, 0.0)
-        advantages = torch.where(live, advantages, 0.0)
+        masked = action_mask == 0
+        raw_log_ratio = (logprob - old_logprob).masked_fill(masked, 0.0)
+        advantages = advantages.masked_fill(masked, 0.0)
         log_ratio = torch.clamp(raw_log_ratio, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
         ratio = torch.exp(log_ratio)
         # One test covers all three inputs: NaN and +-inf survive the sum (inf - inf is NaN),

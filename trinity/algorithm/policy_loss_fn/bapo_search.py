@@ -84,8 +84,8 @@ def _split_sums(hist: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return below[:-1], below[-1] - below[:-1]
 
 
-def histogram(bins: torch.Tensor, weights: torch.Tensor, size: int, lanes: int) -> torch.Tensor:
-    """Per bin, the sum of each column of ``weights`` ([tokens, k]): [k, size].
+def histograms(bins: torch.Tensor, weights: List, size: int, lanes: int) -> List[torch.Tensor]:
+    """Per bin, the sum of each of ``weights`` over the tokens in it.
 
     ``torch.bincount`` would read the largest bin back to the host on CUDA; ``index_add_``
     does not. With ``lanes`` > 1 each bin gets that many copies, so that the atomic adds of
@@ -93,8 +93,8 @@ def histogram(bins: torch.Tensor, weights: torch.Tensor, size: int, lanes: int) 
     """
     if lanes > 1:
         bins = bins * lanes + torch.arange(bins.numel(), device=bins.device) % lanes
-    hist = weights.new_zeros(size * lanes, weights.shape[1]).index_add_(0, bins, weights)
-    return hist.view(size, lanes, -1).sum(1).T
+    sums = [w.new_zeros(size * lanes).index_add_(0, bins, w) for w in weights]
+    return [h.view(size, lanes).sum(1) for h in sums]
 
 
 class BoundSearch:
@@ -153,12 +153,12 @@ class BoundSearch:
         weighs ``|A| * mask``, as in the loss's aggregation; masked and non-finite tokens weigh
         0 (filled, not multiplied, so NaN cannot leak in). Nothing here waits on the device.
 
-        Each token falls in one bin of a signed axis: ``x = r`` for A > 0, ``x = -r``
-        otherwise, cut at ``[-b-, ..., -a-, 0, a+, ..., b+]``. A negative token's bin counts
-        the lower candidates above its ratio, a positive one's (after the 0) the upper
-        candidates below it; a ratio on a bound counts as unclipped, since ``torch.clamp``
-        passes its gradient there. Two weighted histograms, and prefix sums over them, give
-        every candidate.
+        Each token falls in one bin of a signed axis, ``x = copysign(r, A)`` cut at
+        ``[-b-, ..., -a-, 0, a+, ..., b+]`` (a token with A = 0 weighs 0 on either side). A
+        negative token's bin counts the lower candidates above its ratio, a positive one's
+        (after the 0) the upper candidates below it; a ratio on a bound counts as unclipped,
+        since ``torch.clamp`` passes its gradient there. Two weighted histograms, and prefix
+        sums over them, give every candidate.
         """
         signed, lower, upper, dual, fingerprint = self._constants_on(ratio)
         live = (mask != 0).reshape(-1)
@@ -169,14 +169,14 @@ class BoundSearch:
         r = ratio.detach().reshape(-1).double().clamp(TINY, math.exp(LOG_RATIO_CLAMP))
         r = r.masked_fill(~kept, 1.0)
         weight = (adv.double().abs() * mask.reshape(-1).double()).masked_fill(~kept, 0.0)
-        bins = torch.bucketize(torch.where(adv > 0, r, -r), signed)  # edges below x
+        bins = torch.bucketize(torch.copysign(r, adv), signed)  # edges below x; A = 0 weighs 0
         weight_r = weight * r
         if self.contribution == "gradient" and self.clip_ratio_c is not None:
             # Past the dual clip A < 0 has no gradient; on it, torch.min splits it in half.
             share = torch.where(r > dual, 0.0, torch.where(r == dual, 0.5, 1.0))
             weight_r = torch.where(adv < 0, weight_r * share, weight_r)
         lanes = LANES if bins.is_cuda else 1
-        hist_r, hist_w = histogram(bins, torch.stack([weight_r, weight], 1), len(signed) + 1, lanes)
+        hist_r, hist_w = histograms(bins, [weight_r, weight], len(signed) + 1, lanes)
 
         n_low = len(self.lower)
         # A > 0: tokens with r <= c_high keep A r; under Eq. 8 the others count at c_high.
