@@ -78,12 +78,6 @@ def positive_share(positive: float, negative: float) -> float:
     return 1.0 if total == 0 else positive / total
 
 
-def _split_sums(hist: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """For bins h_0..h_K, per k < K the totals of bins <= k and of bins > k."""
-    below = hist.cumsum(0)
-    return below[:-1], below[-1] - below[:-1]
-
-
 def histograms(bins: torch.Tensor, weights: List, size: int, lanes: int) -> List[torch.Tensor]:
     """Per bin, the sum of each of ``weights`` over the tokens in it.
 
@@ -162,33 +156,40 @@ class BoundSearch:
         """
         signed, lower, upper, dual, fingerprint = self._constants_on(ratio)
         live = (mask != 0).reshape(-1)
-        kept = live & finite.reshape(-1)
+        dropped = ~(live & finite.reshape(-1))
         adv = advantages.detach().reshape(-1)
-        # Kept inside (0, e^20]: a half-precision ratio can underflow to 0 (which would put a
-        # positive token on the negative side) or overflow to inf.
-        r = ratio.detach().reshape(-1).double().clamp(TINY, math.exp(LOG_RATIO_CLAMP))
-        r = r.masked_fill(~kept, 1.0)
-        weight = (adv.double().abs() * mask.reshape(-1).double()).masked_fill(~kept, 0.0)
+        # Our own float64 copies, never the caller's tensors, worked on in place. The ratio stays
+        # inside (0, e^20]: in half precision it can underflow to 0 (which would file a positive
+        # token with the negative ones) or overflow to inf.
+        r = ratio.detach().reshape(-1).to(torch.float64, copy=True)
+        r.clamp_(TINY, math.exp(LOG_RATIO_CLAMP)).masked_fill_(dropped, 1.0)
+        weight = adv.to(torch.float64, copy=True).abs_().masked_fill_(dropped, 0.0)
+        if mask.is_floating_point():  # a fractional mask weighs its token, as in the loss
+            weight.mul_(mask.reshape(-1))
         bins = torch.bucketize(torch.copysign(r, adv), signed)  # edges below x; A = 0 weighs 0
-        weight_r = weight * r
+        share = None
         if self.contribution == "gradient" and self.clip_ratio_c is not None:
             # Past the dual clip A < 0 has no gradient; on it, torch.min splits it in half.
             share = torch.where(r > dual, 0.0, torch.where(r == dual, 0.5, 1.0))
-            weight_r = torch.where(adv < 0, weight_r * share, weight_r)
+            share.masked_fill_(adv > 0, 1.0)
+        weight_r = r.mul_(weight)  # |A| r, in the ratio's buffer
+        if share is not None:
+            weight_r.mul_(share)
         lanes = LANES if bins.is_cuda else 1
         hist_r, hist_w = histograms(bins, [weight_r, weight], len(signed) + 1, lanes)
 
+        # Prefix sums per side. A > 0, bin k: k upper candidates below r; tokens with
+        # r <= c_high keep A r, and under Eq. 8 the others count at c_high. A < 0, flipped so
+        # that bin k holds k lower candidates <= r: those with r >= c_low keep |A| r, and under
+        # Eq. 8 the others count at c_low.
         n_low = len(self.lower)
-        # A > 0: tokens with r <= c_high keep A r; under Eq. 8 the others count at c_high.
-        positive, _ = _split_sums(hist_r[n_low + 1 :])
-        _, clipped = _split_sums(hist_w[n_low + 1 :])
-        # A < 0, flipped so that bin k holds the tokens with k lower candidates <= r: those
-        # with r >= c_low keep |A| r; under Eq. 8 the others count at c_low.
-        _, negative = _split_sums(hist_r[: n_low + 1].flip(0))
-        floored, _ = _split_sums(hist_w[: n_low + 1].flip(0))
+        pos_r, pos_w = (h[n_low + 1 :].cumsum(0) for h in (hist_r, hist_w))
+        neg_r, neg_w = (h[: n_low + 1].flip(0).cumsum(0) for h in (hist_r, hist_w))
+        positive, clipped = pos_r[:-1], pos_w[-1] - pos_w[:-1]
+        negative, floored = neg_r[-1] - neg_r[:-1], neg_w[:-1]
         if self.contribution == "surrogate":
             positive, negative = positive + upper * clipped, negative + lower * floored
-        nonfinite = (live & ~kept).sum(dtype=torch.float64).reshape(1)
+        nonfinite = (live & dropped).sum(dtype=torch.float64).reshape(1)
         return torch.cat([fingerprint, nonfinite, positive, negative])
 
     def parts(self, sums):
