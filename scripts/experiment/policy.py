@@ -15,7 +15,8 @@ from experiment.task import EOS, PAD, PROMPT_WIDTH, RESPONSE_LEN, VOCAB_SIZE
 
 def build_model(seed: int) -> LlamaForCausalLM:
     """A fresh random 2-layer Llama; the same ``seed`` gives the same weights."""
-    config = LlamaConfig(
+    # attn_implementation is a PretrainedConfig **kwargs key, unknown to the type stubs
+    config = LlamaConfig(  # type: ignore[call-arg]
         vocab_size=VOCAB_SIZE,
         hidden_size=64,
         intermediate_size=128,

@@ -9,7 +9,7 @@ reached something and lost most of it.
 import json
 import statistics
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Any, Dict, List, Sequence
 
 FINAL_SHARE = 0.1
 COLLAPSE_FRACTION = 0.5
@@ -80,7 +80,7 @@ def mean_std(values: Sequence[float]) -> Dict:
 def group_summary(runs: Sequence[Sequence[Dict]]) -> Dict:
     """A variant at one staleness level, over its seeds."""
     each = [run_summary(rows) for rows in runs]
-    out = {
+    out: Dict[str, Any] = {
         k: mean_std([e[k] for e in each])
         for k in (
             "final_reward",
@@ -151,7 +151,7 @@ def plot(runs: Dict, labels: Dict[str, str], path: Path, title: str) -> None:
     fig, axes = plt.subplots(
         len(levels), len(PANELS), figsize=(4 * len(PANELS), 3.4 * len(levels)), squeeze=False
     )
-    colours = plt.get_cmap("tab10").colors
+    colours = [f"C{k}" for k in range(10)]  # matplotlib's default colour cycle
     for i, level in enumerate(levels):
         for j, (key, name) in enumerate(PANELS):
             ax = axes[i][j]
