@@ -39,7 +39,7 @@ sys.path.insert(0, str(SCRIPTS))
 def quick_run(tmp_path_factory):
     """Run the quick study once for the module."""
     out = tmp_path_factory.mktemp("experiment")
-    # A session of its own, so a hang kills the study's pool processes too, not just the parent.
+    # Its own process group, so a hang kills the study's pool processes too, not just the parent.
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
         cwd=ROOT,
@@ -90,6 +90,7 @@ def test_every_run_wrote_every_step(quick_run):
                     for key in ("reward", "entropy", "rho", "grad_norm", "pairs", "moved"):
                         assert key in row, (path, key)
                     assert len(row["pairs"]) == (4 if level == "stale" else 2)
+                    assert row["dp_group_forwarded"] is True  # the loss saw the run's group
 
 
 def test_fixed_variants_never_move_and_bapo_stays_in_its_ranges(quick_run):

@@ -160,12 +160,36 @@ def evaluate(model, prompts, prompt_mask, rows, generator, task: str) -> Dict:
     }
 
 
+class GroupCheck:
+    """Stands in for the loss's policy loss and notes whether each call got the given group.
+
+    Shows that the patched ``TrinityPolicyLoss`` forwards the group (the released one drops
+    it); every other attribute is the real policy loss's.
+    """
+
+    def __init__(self, inner, group):
+        """Wrap ``inner``; ``group`` is the one every call should receive."""
+        self._inner, self._group = inner, group
+        self.calls = self.forwarded = 0
+
+    def __getattr__(self, name):
+        """Everything else (``select_keys`` and the like) is the wrapped loss's."""
+        return getattr(self._inner, name)
+
+    def __call__(self, *args, **kwargs):
+        """Count the call and whether it carried the group, then compute the loss."""
+        self.calls += 1
+        self.forwarded += kwargs.get("dp_group") is self._group
+        return self._inner(*args, **kwargs)
+
+
 def train(variant: Variant, seed: int, setting: Setting, out: Path, group) -> Dict:
     """Run one configuration to the end; write ``out/metrics.jsonl``; return a summary."""
     from trinity.trainer.verl.losses import TrinityPolicyLoss
 
     started = time.time()
     loss_fn = TrinityPolicyLoss(algorithm_config(variant))
+    check = loss_fn.policy_loss_fn = GroupCheck(loss_fn.policy_loss_fn, group)
     model = build_model(seed)
     behaviour = copy.deepcopy(model).eval()
     optimizer = torch.optim.Adam(model.parameters(), lr=setting.lr)
@@ -194,6 +218,7 @@ def train(variant: Variant, seed: int, setting: Setting, out: Path, group) -> Di
                 model, eval_ids, eval_mask, eval_rows, gens["eval_sample"], setting.task
             )
             row = step_row(step, lag, calls, norms, fresh, stats)
+            row["dp_group_forwarded"] = check.forwarded == check.calls
             sink.write(json.dumps(row) + "\n")
     return {
         "variant": variant.name,
