@@ -76,6 +76,7 @@ def init_worker() -> None:
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
+
     from trinity.algorithm.policy_loss_fn.policy_loss_fn import PolicyLossFnMeta
 
     if "dp_group" not in getattr(PolicyLossFnMeta, "runtime_keys", ()):
@@ -87,6 +88,7 @@ def init_worker() -> None:
 def run_one(variant_name: str, seed: int, level: str, task: str, steps: int, out: str) -> dict:
     """Train one run in a pool process, with the process's gloo group as the dp group."""
     import torch.distributed as dist
+
     from experiment.trainer import Setting, train
     from experiment.variants import all_variants
 

@@ -172,6 +172,7 @@ def test_cover_reward_hand_examples():
 def test_cover_sampler_ends_a_response_once_its_goal_is_covered():
     """With a goal, no response runs past the token that completes it."""
     import torch
+
     from experiment.policy import build_model, sample_responses
     from experiment.task import EOS, RESPONSE_LEN, goal_tokens
 
