@@ -1,11 +1,11 @@
 """Tests for scripts/trinity_patches.py, each run on a scratch copy of the trinity package.
 
 Where the released files come from: CI's only copy of trinity-rft is the one installed in the
-venv, which `make setup` has already patched and filled with our modules. The session fixture
-copies the installed package and its dist-info, drops every file pip's RECORD does not list (our
-modules, bytecode caches) and, if needed, reverse-applies patches/series with plain GNU `patch
--R`, without the tool under test. It then checks every file against the sha256 in RECORD, so the
-tests never run on files that are not the release.
+venv, which `make setup` has already patched and filled with our modules. A fixture shared by the
+whole test run copies the installed package and its dist-info, drops every file pip's RECORD
+does not list (our modules, bytecode caches) and, if needed, reverse-applies patches/series with
+plain GNU `patch -R`, without the tool under test. It then checks every file against the sha256
+in RECORD, so the tests never run on files that are not the release.
 """
 
 import base64
