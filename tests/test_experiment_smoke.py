@@ -173,14 +173,15 @@ def test_cover_sampler_ends_a_response_once_its_goal_is_covered():
     """With a goal, no response runs past the token that completes it."""
     import torch
 
-    from experiment.policy import build_model, sample_responses
-    from experiment.task import EOS, RESPONSE_LEN, goal_tokens
+    from demo.policy import build_model, sample_responses
+    from experiment.task import EOS, MAX_POSITIONS, RESPONSE_LEN, goal_tokens
 
     prompts = torch.tensor([[0, 3, 4, 5, 1]] * 64)
     mask = torch.tensor([[0, 1, 1, 1, 1]] * 64)
     goal = goal_tokens([[7, 1]] * 64)  # one wanted token, 7
     gen = torch.Generator().manual_seed(0)
-    responses, rmask, _ = sample_responses(build_model(0), prompts, mask, gen, goal)
+    model = build_model(0, MAX_POSITIONS)
+    responses, rmask, _, _ = sample_responses(model, prompts, mask, gen, goal, RESPONSE_LEN)
     stopped_on_goal = 0
     for row, m in zip(responses.tolist(), rmask.sum(dim=1).tolist()):
         body = row[:m]

@@ -5,7 +5,7 @@ runs inside verl's engine (``demo.engine``); sampling runs here, on a plain copy
 whose weights are gathered from the engine, with padded forwards.
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -14,8 +14,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from demo.task import EOS, PAD, PROMPT_WIDTH, RESPONSE_LEN, VOCAB_SIZE
 
 
-def build_model(seed: int) -> LlamaForCausalLM:
-    """A fresh random 2-layer Llama; the same ``seed`` gives the same weights."""
+def build_model(seed: int, max_positions: int = PROMPT_WIDTH + RESPONSE_LEN) -> LlamaForCausalLM:
+    """A fresh random 2-layer Llama; the same ``seed`` gives the same weights.
+
+    ``max_positions`` (prompt width plus response length) only sizes the rotary cache.
+    """
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=64,
@@ -23,7 +26,7 @@ def build_model(seed: int) -> LlamaForCausalLM:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=PROMPT_WIDTH + RESPONSE_LEN,
+        max_position_embeddings=max_positions,
         pad_token_id=PAD,
         bos_token_id=None,
         eos_token_id=EOS,
@@ -52,28 +55,41 @@ def logits_for(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> 
 
 @torch.no_grad()
 def sample_responses(
-    model, prompts: torch.Tensor, prompt_mask: torch.Tensor, generator: torch.Generator
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample up to RESPONSE_LEN tokens per row at temperature 1.
+    model,
+    prompts: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    generator: torch.Generator,
+    goal: Optional[torch.Tensor] = None,
+    response_len: int = RESPONSE_LEN,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample up to ``response_len`` tokens per row at temperature 1.
 
-    Returns right-padded ``responses``, ``response_mask`` and the log-prob of each sampled
-    token (what an inference engine would report); a response ends with (and includes) its
-    first EOS. Finished rows keep being fed PAD tokens that are masked out.
+    Returns right-padded ``responses``, ``response_mask``, the log-prob of each sampled token
+    (what an inference engine would report) and the entropy of the sampling distribution at
+    each position, both masked to 0. A response ends with (and includes) its first EOS; with
+    ``goal`` (rows x vocabulary, bool), a row also ends once it holds all its goal tokens.
+    Finished rows keep being fed PAD tokens that are masked out.
     """
     batch = prompts.shape[0]
     ids, mask = prompts, prompt_mask
-    responses = torch.full((batch, RESPONSE_LEN), PAD, dtype=torch.long)
-    response_mask = torch.zeros((batch, RESPONSE_LEN), dtype=torch.long)
-    sampled_lp = torch.zeros((batch, RESPONSE_LEN))
+    responses = torch.full((batch, response_len), PAD, dtype=torch.long)
+    response_mask = torch.zeros((batch, response_len), dtype=torch.long)
+    sampled_lp = torch.zeros((batch, response_len))
+    entropy = torch.zeros((batch, response_len))
     alive = torch.ones(batch, dtype=torch.bool)
-    for t in range(RESPONSE_LEN):
+    seen = torch.zeros((batch, VOCAB_SIZE), dtype=torch.bool)
+    for t in range(response_len):
         log_probs = F.log_softmax(logits_for(model, ids, mask)[:, -1], dim=-1)
         token = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(1)
         sampled_lp[:, t] = log_probs.gather(1, token[:, None]).squeeze(1) * alive
+        entropy[:, t] = -(log_probs.exp() * log_probs).sum(-1) * alive
         token = torch.where(alive, token, torch.full_like(token, PAD))
         responses[:, t] = token
         response_mask[:, t] = alive.long()
         ids = torch.cat([ids, token[:, None]], dim=1)
         mask = torch.cat([mask, alive.long()[:, None]], dim=1)
         alive = alive & (token != EOS)
-    return responses, response_mask, sampled_lp
+        if goal is not None:
+            seen[torch.arange(batch), token] = True
+            alive = alive & ~(goal <= seen).all(dim=1)
+    return responses, response_mask, sampled_lp, entropy

@@ -54,7 +54,8 @@ def summarise(rows: List[Dict]) -> Dict:
     return out
 
 
-def _smooth(values: List[float], width: int = WINDOW) -> List[float]:
+def smooth(values: List[float], width: int = WINDOW) -> List[float]:
+    """Running mean over the last ``width`` values (fewer at the start)."""
     out, acc = [], 0.0
     for i, v in enumerate(values):
         acc += v
@@ -79,7 +80,7 @@ def plot(runs: Dict[str, List[Dict]], path: Path, title: str) -> None:
         for ax, key in ((ax_r, "reward"), (ax_e, "entropy"), (ax_rho, "rho")):
             values = [r[key] for r in rows]
             ax.plot(steps, values, color=colour, alpha=0.25, linewidth=0.8)
-            ax.plot(steps, _smooth(values), color=colour, linewidth=1.8, label=label)
+            ax.plot(steps, smooth(values), color=colour, linewidth=1.8, label=label)
         ax_b.plot(
             steps,
             [r["clip_high_max"] for r in rows],

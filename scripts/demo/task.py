@@ -12,7 +12,7 @@ policy (one prompt token repeated) below the optimum, so the task rewards keepin
 while a 2-layer transformer can learn it with attention in a few hundred updates.
 """
 
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -24,15 +24,27 @@ RESPONSE_LEN = 6  # longest response
 PROMPT_WIDTH = PROMPT_MAX + 1  # content tokens + SEP, left-padded to this width
 
 
-def sample_prompts(count: int, generator: torch.Generator) -> List[List[int]]:
-    """``count`` prompts of distinct content tokens, each closed by SEP."""
+def sample_prompts(
+    count: int, generator: torch.Generator, lengths: Tuple[int, int] = (PROMPT_MIN, PROMPT_MAX)
+) -> List[List[int]]:
+    """``count`` prompts of distinct content tokens (``lengths``: fewest, most), closed by SEP."""
     prompts = []
     n_content = VOCAB_SIZE - FIRST_CONTENT
     for _ in range(count):
-        length = int(torch.randint(PROMPT_MIN, PROMPT_MAX + 1, (1,), generator=generator))
+        length = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=generator))
         tokens = torch.randperm(n_content, generator=generator)[:length] + FIRST_CONTENT
         prompts.append(tokens.tolist() + [SEP])
     return prompts
+
+
+def left_pad(rows: List[List[int]], width: int):
+    """Token rows left-padded to ``width``, with their attention mask."""
+    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row)
+        mask[i, width - len(row) :] = 1
+    return ids, mask
 
 
 def reward(prompt: Sequence[int], response: Sequence[int]) -> float:

@@ -58,8 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def algorithm_config(algo: str, no_sync: bool):
     """Trinity's AlgorithmConfig for the two runs: fixed PPO clipping or BAPO's defaults."""
+    from demo.loss import loss_config
     from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
-    from trinity.common.config import AlgorithmConfig
 
     if algo == "ppo":
         name, args = "ppo", {"clip_range_low": PPO_CLIP_LOW, "clip_range_high": PPO_CLIP_HIGH}
@@ -69,15 +69,7 @@ def algorithm_config(algo: str, no_sync: bool):
             args["sync_across_dp"] = False
     else:
         raise ValueError(f"unknown algorithm {algo!r}")
-    return AlgorithmConfig(
-        policy_loss_fn=name,
-        policy_loss_fn_args=args,
-        kl_loss_fn="none",
-        kl_loss_fn_args={},
-        entropy_loss_fn="none",
-        entropy_loss_fn_args={"entropy_coef": 0.0},
-        loss_agg_mode="token-mean",
-    )
+    return loss_config(name, args)
 
 
 def bapo_start_pair() -> List[float]:
@@ -97,29 +89,6 @@ def require_patched_trinity() -> None:
             "the installed trinity-rft is not patched (no dp_group runtime key); "
             "run `make setup` or `.venv/bin/python scripts/trinity_patches.py apply`"
         )
-
-
-class GroupSpy:
-    """Stands in for the loss's policy_loss_fn and records which dp_group reached it.
-
-    Proves that the engine's group arrives through the patched TrinityPolicyLoss rather than
-    being dropped; every other attribute is the real loss function's.
-    """
-
-    def __init__(self, inner, expected_group):
-        """Wrap ``inner``; count calls that receive ``expected_group``."""
-        self._inner, self._expected = inner, expected_group
-        self.calls = self.forwarded = 0
-
-    def __getattr__(self, name):
-        """Everything else is the real loss's."""
-        return getattr(self._inner, name)
-
-    def __call__(self, *args, **kwargs):
-        """Count the call and whether the group arrived, then run the real loss."""
-        self.calls += 1
-        self.forwarded += int(kwargs.get("dp_group", None) is self._expected)
-        return self._inner(*args, **kwargs)
 
 
 class LossTap:
@@ -158,18 +127,6 @@ class LossTap:
         return loss, metrics
 
 
-def left_pad(rows: List[List[int]], width: int):
-    """Token rows left-padded to ``width``, with their attention mask."""
-    from demo.task import PAD
-
-    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = torch.tensor(row)
-        mask[i, width - len(row) :] = 1
-    return ids, mask
-
-
 def all_sum(values: List[float], group) -> List[float]:
     """Element-wise sum of ``values`` over the group's ranks."""
     t = torch.tensor(values, dtype=torch.float64)
@@ -192,16 +149,6 @@ def pair_agrees(low: float, high: float, group) -> bool:
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
-def surrogate_sums(ratio, adv, mask, low, high):
-    """Eq. 8's P and N at one pair, written independently of the code under test."""
-    ratio, adv, mask = ratio.double(), adv.double(), mask.bool()
-    pos = (adv > 0) & mask
-    neg = (adv < 0) & mask
-    p = (adv * torch.clamp(ratio, max=high))[pos].sum().item()
-    n = (-adv * torch.clamp(ratio, min=low))[neg].sum().item()
-    return p, n
-
-
 def make_rollout(behaviour, prompts_gen, sample_gen, args):
     """This rank's rollout: prompts, sampled responses, rewards, GRPO advantages.
 
@@ -212,12 +159,12 @@ def make_rollout(behaviour, prompts_gen, sample_gen, args):
     from demo.batch import rollout_tensordict
     from demo.engine import engine_batch
     from demo.policy import sample_responses
-    from demo.task import PROMPT_WIDTH, group_advantages, reward, sample_prompts
+    from demo.task import PROMPT_WIDTH, group_advantages, left_pad, reward, sample_prompts
 
     rows = sample_prompts(args.prompts_per_rank, prompts_gen)
     rows = [r for r in rows for _ in range(args.group_size)]  # a group per prompt
     prompts, prompt_mask = left_pad(rows, PROMPT_WIDTH)
-    responses, response_mask, sampled_lp = sample_responses(
+    responses, response_mask, sampled_lp, _ = sample_responses(
         behaviour, prompts, prompt_mask, sample_gen
     )
     rewards = torch.tensor([reward(p, r) for p, r in zip(rows, responses.tolist())])
@@ -244,6 +191,8 @@ def train_step(engine, tap, data, lag: int, args) -> Dict:
 
 def call_record(metrics, log_prob, data, mask, algo) -> Dict:
     """The pair one loss call used, its metrics, and Eq. 8's P and N on this rank's tokens."""
+    from demo.loss import surrogate_sums
+
     if algo == "bapo":
         low, high = metrics["actor/bapo_clip_low"], metrics["actor/bapo_clip_high"]
     else:
@@ -348,6 +297,7 @@ def shared_temp_dir() -> Path:
 def run(algo: str, args, rank: int, world: int) -> None:
     """Train one algorithm for ``args.steps`` steps in a fresh engine; rank 0 logs."""
     from demo.engine import build_engine, full_state_dict, save_model
+    from demo.loss import GroupSpy
     from demo.policy import build_model
     from trinity.trainer.verl.losses import TrinityPolicyLoss
 

@@ -11,6 +11,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
+from demo.report import smooth
+
 FINAL_SHARE = 0.1
 COLLAPSE_FRACTION = 0.5
 PANELS = (
@@ -130,16 +132,6 @@ def _band(ax, curves: List[List[float]], colour: str, label: str) -> None:
     ax.fill_between(steps, mean - std, mean + std, color=colour, alpha=0.15, linewidth=0)
 
 
-def _smooth(values: List[float], width: int) -> List[float]:
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= width:
-            acc -= values[i - width]
-        out.append(acc / min(i + 1, width))
-    return out
-
-
 def plot(runs: Dict, labels: Dict[str, str], path: Path, title: str) -> None:
     """Rows: staleness levels; columns: PANELS; a mean line and a ±1 std band per variant."""
     import matplotlib
@@ -157,7 +149,7 @@ def plot(runs: Dict, labels: Dict[str, str], path: Path, title: str) -> None:
             ax = axes[i][j]
             for k, (variant, seeds) in enumerate(runs[level].items()):
                 width = max(1, window(seeds[0]))
-                curves = [_smooth([r[key] for r in rows], width) for rows in seeds]
+                curves = [smooth([r[key] for r in rows], width) for rows in seeds]
                 _band(ax, curves, colours[k % len(colours)], labels[variant])
             ax.set_title(f"{level}: {name}", fontsize=9)
             ax.set_xlabel("step")

@@ -20,27 +20,17 @@ scores 0. So every success is short by construction and a failure is as long as 
 keeps going, which is the limit unless it learns to emit EOS, which never pays.
 """
 
-from typing import List, Sequence
+from typing import Sequence
 
 import torch
 
-PAD, SEP, EOS = 0, 1, 2
-FIRST_CONTENT = 3
-VOCAB_SIZE = 16
+# The demo's vocabulary (its prompt maker, sampler and model serve here too), re-exported.
+from demo.task import EOS, FIRST_CONTENT, PAD, SEP, VOCAB_SIZE  # noqa: F401
+
 PROMPT_MIN, PROMPT_MAX = 2, 4  # content tokens per prompt
 RESPONSE_LEN = 10  # the length limit
 PROMPT_WIDTH = PROMPT_MAX + 1  # content tokens + SEP, left-padded to this width
-
-
-def sample_prompts(count: int, generator: torch.Generator) -> List[List[int]]:
-    """``count`` prompts of distinct content tokens, each closed by SEP."""
-    prompts = []
-    n_content = VOCAB_SIZE - FIRST_CONTENT
-    for _ in range(count):
-        length = int(torch.randint(PROMPT_MIN, PROMPT_MAX + 1, (1,), generator=generator))
-        tokens = torch.randperm(n_content, generator=generator)[:length] + FIRST_CONTENT
-        prompts.append(tokens.tolist() + [SEP])
-    return prompts
+MAX_POSITIONS = PROMPT_WIDTH + RESPONSE_LEN  # the model's positions
 
 
 def reward(prompt: Sequence[int], response: Sequence[int]) -> float:
@@ -71,11 +61,3 @@ def goal_tokens(rows: Sequence[Sequence[int]]) -> torch.Tensor:
     for i, row in enumerate(rows):
         goal[i, [t for t in row if t >= FIRST_CONTENT]] = True
     return goal
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantages: reward minus its group's mean, over the group's (unbiased) std + eps."""
-    groups = rewards.view(-1, group_size)
-    mean = groups.mean(dim=1, keepdim=True)
-    std = groups.std(dim=1, keepdim=True)
-    return ((groups - mean) / (std + eps)).reshape(-1)

@@ -21,16 +21,20 @@ import torch
 from tensordict import TensorDict
 from verl.workers.utils.padding import no_padding_2_padding
 
-from experiment.policy import build_model, packed_log_probs, sample_responses
+from demo.loss import GroupSpy, loss_config, surrogate_sums
+from demo.policy import build_model, sample_responses
+from demo.task import group_advantages, left_pad, sample_prompts
+from experiment.policy import packed_log_probs
 from experiment.task import (
-    PAD,
+    MAX_POSITIONS,
+    PROMPT_MAX,
+    PROMPT_MIN,
     PROMPT_WIDTH,
+    RESPONSE_LEN,
     REWARDS,
     goal_tokens,
-    group_advantages,
-    sample_prompts,
 )
-from experiment.variants import Variant, algorithm_config
+from experiment.variants import Variant
 
 GRAD_CLIP = 1.0  # verl's default actor grad_clip
 
@@ -50,24 +54,14 @@ class Setting(NamedTuple):
     eval_prompts: int = 64
 
 
-def left_pad(rows: List[List[int]], width: int):
-    """Left-padded prompt ids and their attention mask."""
-    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = torch.tensor(row)
-        mask[i, width - len(row) :] = 1
-    return ids, mask
-
-
 def rollout(behaviour, gens, setting: Setting):
     """One step's batch as Trinity's trainer hands it to verl (padded fields), plus stats."""
-    rows = sample_prompts(setting.prompts, gens["prompts"])
+    rows = sample_prompts(setting.prompts, gens["prompts"], (PROMPT_MIN, PROMPT_MAX))
     rows = [r for r in rows for _ in range(setting.group_size)]
     prompts, prompt_mask = left_pad(rows, PROMPT_WIDTH)
     goal = goal_tokens(rows) if setting.task == "cover" else None
-    responses, response_mask, _ = sample_responses(
-        behaviour, prompts, prompt_mask, gens["sample"], goal
+    responses, response_mask, _, _ = sample_responses(
+        behaviour, prompts, prompt_mask, gens["sample"], goal, RESPONSE_LEN
     )
     rewards = torch.tensor(scores(setting.task, rows, responses, response_mask))
     adv = group_advantages(rewards, setting.group_size)[:, None] * response_mask
@@ -119,9 +113,7 @@ def imbalance(rewards: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> D
 def surrogate_rho(data: TensorDict, log_prob: torch.Tensor, low: float, high: float) -> float:
     """Eq. 8's P / (P + N) at one pair, written here apart from the loss (a cross-check)."""
     ratio = (log_prob.detach().double() - data["old_log_probs"].double()).clamp(-20, 20).exp()
-    adv, mask = data["advantages"].double(), data["response_mask"].bool()
-    p = (adv * ratio.clamp(max=high))[(adv > 0) & mask].sum().item()
-    n = (-adv * ratio.clamp(min=low))[(adv < 0) & mask].sum().item()
+    p, n = surrogate_sums(ratio, data["advantages"], data["response_mask"], low, high)
     return 1.0 if p + n == 0 else p / (p + n)
 
 
@@ -151,7 +143,9 @@ def loss_call(loss_fn, model, mb: TensorDict, variant: Variant, group) -> Dict:
 def evaluate(model, prompts, prompt_mask, rows, generator, task: str) -> Dict:
     """Reward and token entropy of the current policy, on fresh samples."""
     goal = goal_tokens(rows) if task == "cover" else None
-    responses, mask, entropy = sample_responses(model, prompts, prompt_mask, generator, goal)
+    responses, mask, _, entropy = sample_responses(
+        model, prompts, prompt_mask, generator, goal, RESPONSE_LEN
+    )
     rewards = scores(task, rows, responses, mask)
     return {
         "reward": sum(rewards) / len(rewards),
@@ -160,37 +154,14 @@ def evaluate(model, prompts, prompt_mask, rows, generator, task: str) -> Dict:
     }
 
 
-class GroupCheck:
-    """Stands in for the loss's policy loss and notes whether each call got the given group.
-
-    Shows that the patched ``TrinityPolicyLoss`` forwards the group (the released one drops
-    it); every other attribute is the real policy loss's.
-    """
-
-    def __init__(self, inner, group):
-        """Wrap ``inner``; ``group`` is the one every call should receive."""
-        self._inner, self._group = inner, group
-        self.calls = self.forwarded = 0
-
-    def __getattr__(self, name):
-        """Everything else (``select_keys`` and the like) is the wrapped loss's."""
-        return getattr(self._inner, name)
-
-    def __call__(self, *args, **kwargs):
-        """Count the call and whether it carried the group, then compute the loss."""
-        self.calls += 1
-        self.forwarded += kwargs.get("dp_group") is self._group
-        return self._inner(*args, **kwargs)
-
-
 def train(variant: Variant, seed: int, setting: Setting, out: Path, group) -> Dict:
     """Run one configuration to the end; write ``out/metrics.jsonl``; return a summary."""
     from trinity.trainer.verl.losses import TrinityPolicyLoss
 
     started = time.time()
-    loss_fn = TrinityPolicyLoss(algorithm_config(variant))
-    check = loss_fn.policy_loss_fn = GroupCheck(loss_fn.policy_loss_fn, group)
-    model = build_model(seed)
+    loss_fn = TrinityPolicyLoss(loss_config(variant.loss, dict(variant.args)))
+    check = loss_fn.policy_loss_fn = GroupSpy(loss_fn.policy_loss_fn, group)
+    model = build_model(seed, MAX_POSITIONS)
     behaviour = copy.deepcopy(model).eval()
     optimizer = torch.optim.Adam(model.parameters(), lr=setting.lr)
     snapshots = deque([copy.deepcopy(model.state_dict())], maxlen=setting.lag + 1)
@@ -198,7 +169,7 @@ def train(variant: Variant, seed: int, setting: Setting, out: Path, group) -> Di
         k: torch.Generator().manual_seed(seed * 1000 + i)
         for i, k in enumerate(("prompts", "sample", "eval_prompts", "eval_sample"))
     }
-    eval_rows = sample_prompts(setting.eval_prompts, gens["eval_prompts"])
+    eval_rows = sample_prompts(setting.eval_prompts, gens["eval_prompts"], (PROMPT_MIN, PROMPT_MAX))
     eval_ids, eval_mask = left_pad(eval_rows, PROMPT_WIDTH)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "metrics.jsonl", "w") as sink:

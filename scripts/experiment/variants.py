@@ -73,18 +73,3 @@ def all_variants() -> List[Variant]:
             [0.6, 1.2],
         ),
     ]
-
-
-def algorithm_config(variant: Variant):
-    """Trinity's AlgorithmConfig for a variant: the loss alone, no KL, no entropy bonus."""
-    from trinity.common.config import AlgorithmConfig
-
-    return AlgorithmConfig(
-        policy_loss_fn=variant.loss,
-        policy_loss_fn_args=dict(variant.args),
-        kl_loss_fn="none",
-        kl_loss_fn_args={},
-        entropy_loss_fn="none",
-        entropy_loss_fn_args={"entropy_coef": 0.0},
-        loss_agg_mode="token-mean",
-    )
