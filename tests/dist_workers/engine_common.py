@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from bapo_dist_common import loss_kwargs
 from demo.batch import rollout_tensordict
+from demo.loss import loss_config
 
 VOCAB, PAD = 16, 0
 PROMPT_WIDTH, RESPONSE_LEN = 6, 6
@@ -50,18 +51,7 @@ def tiny_model(seed: int = 0) -> LlamaForCausalLM:
 
 def algo_config(sync: bool, config_name: str):
     """Trinity's AlgorithmConfig for BAPO with a named config, nothing else in the loss."""
-    from trinity.common.config import AlgorithmConfig
-
-    args = {**loss_kwargs(config_name), "sync_across_dp": sync}
-    return AlgorithmConfig(
-        policy_loss_fn="bapo",
-        policy_loss_fn_args=args,
-        kl_loss_fn="none",
-        kl_loss_fn_args={},
-        entropy_loss_fn="none",
-        entropy_loss_fn_args={"entropy_coef": 0.0},
-        loss_agg_mode="token-mean",
-    )
+    return loss_config("bapo", {**loss_kwargs(config_name), "sync_across_dp": sync})
 
 
 def make_rank_batch(dp_rank: int, step: int) -> TensorDict:
