@@ -77,9 +77,9 @@ def init_worker() -> None:
     import torch
     import torch.distributed as dist
 
-    from trinity.algorithm.policy_loss_fn.policy_loss_fn import PolicyLossFnMeta
+    from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 
-    if "dp_group" not in getattr(PolicyLossFnMeta, "runtime_keys", ()):
+    if "dp_group" in getattr(BAPOPolicyLossFn(), "select_keys"):  # released: read as data
         raise RuntimeError("trinity-rft is not patched; run `make setup`")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -15,8 +15,11 @@ def _exact(x: float) -> Fraction:
     return Fraction(repr(float(x)))
 
 
-def token_lists(logprob, old_logprob, mask, advantages) -> List[Tuple[float, float]]:
-    """(ratio, advantage) of every unmasked token, ratio with Trinity's +-20 clamp."""
+def token_lists(logprob, old_logprob, mask, advantages) -> List[Tuple[float, float, bool]]:
+    """(ratio, advantage, inside) of every unmasked token, ratio with Trinity's +-20 clamp.
+
+    ``inside`` says the log-ratio lies within the clamp, where the loss still depends on logp.
+    """
     out = []
     flat = zip(
         logprob.reshape(-1).tolist(),
@@ -26,12 +29,13 @@ def token_lists(logprob, old_logprob, mask, advantages) -> List[Tuple[float, flo
     )
     for lp, old, m, a in flat:
         if m:
-            out.append((math.exp(min(max(lp - old, -20.0), 20.0)), a))
+            log_ratio = lp - old
+            out.append((math.exp(min(max(log_ratio, -20.0), 20.0)), a, abs(log_ratio) <= 20.0))
     return out
 
 
 def rho(
-    tokens: Sequence[Tuple[float, float]],
+    tokens: Sequence[Tuple],
     c_low: float,
     c_high: float,
     contribution: str,
@@ -39,12 +43,14 @@ def rho(
 ) -> float:
     """Positive share P / (P + N) at one pair, straight from the definitions."""
     pos = neg = 0.0
-    for r, a in tokens:
+    for r, a, *inside in tokens:
         if contribution == "surrogate":
             if a > 0:
                 pos += a * min(r, c_high)
             elif a < 0:
                 neg += -a * max(r, c_low)
+        elif inside == [False]:  # gradient, past the log-ratio clamp: the loss is flat there
+            continue
         else:  # gradient: weight |A| r while the loss still depends on logp
             # A ratio on a bound keeps its gradient (torch.clamp is inclusive); on the dual
             # clip, torch.min gives each side of the tie half of it.

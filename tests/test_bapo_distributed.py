@@ -17,6 +17,7 @@ nccl variants are collected too and skipped unless the machine has a GPU per ran
 
 import json
 import math
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -40,10 +41,41 @@ from dist_workers import bapo_dist_common as common
 WORKER = Path(__file__).resolve().parent / "dist_workers" / "bapo_checks.py"
 DP_CHECK_SCRIPT = REPO / "scripts" / "bapo_dp_check.py"
 
-BASE_CHECKS = ["group_none", "oracle", "trinity", "sync_off", "nonfinite", "gradient", "mismatch"]
+BASE_CHECKS = [
+    "group_none",
+    "oracle",
+    "trinity",
+    "sync_off",
+    "nonfinite",
+    "gradient",
+    "mismatch",
+    "failure",
+]
 CHECKS_BY_WORLD = {2: BASE_CHECKS, 3: BASE_CHECKS + ["subgroup", "nonmember"], 4: BASE_CHECKS}
 WORLDS = sorted(CHECKS_BY_WORLD)
 ALL_REDUCE = "c10d.allreduce_.default"
+ALL_GATHER = "c10d.allgather_.default"
+# The first synchronised call of a loss on a group checks the ranks' settings, then reduces.
+FIRST_CALL = [ALL_GATHER, ALL_REDUCE]
+HEADER = 2  # values before the candidates' sums: failed ranks, non-finite tokens
+
+
+def grid_length(start, maximum, step, cap):
+    """Candidates start + k step <= maximum (plus the capped maximum), in exact arithmetic."""
+    a, b, d = (Fraction(repr(float(x))) for x in (start, maximum, step))
+    if a == b:
+        return 1
+    count = math.floor((b - a) / d) + 1
+    return count + int(cap and a + (count - 1) * d < b)
+
+
+def values_per_call(name):
+    """What one all-reduce may carry for config ``name``: the header and every candidate."""
+    kw = common.loss_kwargs(name)
+    cap = kw["search_order"] == "lower_first"
+    lower = grid_length(kw["ratio_lower_start"], kw["ratio_lower_max"], kw["ratio_lower_step"], cap)
+    upper = grid_length(kw["ratio_upper_start"], kw["ratio_upper_max"], kw["ratio_upper_step"], cap)
+    return HEADER + lower + upper
 
 
 # --------------------------------------------------------------------------- launching
@@ -198,21 +230,29 @@ def test_trinity_policy_loss_forwards_the_group(launches, world, backend):
 @with_backend
 @pytest.mark.parametrize("world", WORLDS)
 def test_one_all_reduce_per_synced_call(launches, world, backend):
-    """Exactly one collective, an all_reduce, per synced loss call (direct and via Trinity)."""
+    """A loss's first synced call on a group checks settings; each later one is one all_reduce.
+
+    The later all-reduces carry exactly the header and the candidates' sums (direct calls and
+    calls through Trinity, which reuse one loss per config over the cases).
+    """
     problems = []
     for check in ("oracle", "trinity"):
         for rank, rank_result in enumerate(launches.check(world, backend, check)):
-            for case in common.CASES:
+            for index, case in enumerate(common.CASES):
                 for name, run in rank_result[case]["runs"].items():
-                    if run["collectives"] != [ALL_REDUCE]:
+                    want = FIRST_CALL if index == 0 else [ALL_REDUCE]
+                    if run["collectives"] != want:
                         problems.append(f"{check}/{case}/{name} rank {rank}: {run['collectives']}")
+                    sent = run["values"][-1]
+                    if sent != values_per_call(name):
+                        problems.append(f"{check}/{case}/{name} rank {rank}: {sent} values")
     for rank, rank_result in enumerate(launches.check(world, backend, "nonfinite")):
         for name, run in rank_result["runs"].items():
-            if run["collectives"] != [ALL_REDUCE]:
+            if run["collectives"] != FIRST_CALL:
                 problems.append(f"nonfinite/{name} rank {rank}: {run['collectives']}")
     for rank, rank_result in enumerate(launches.check(world, backend, "gradient")):
         for name, runs in rank_result["runs"].items():
-            if runs["sync"]["collectives"] != [ALL_REDUCE]:
+            if runs["sync"]["collectives"] != FIRST_CALL:
                 problems.append(f"gradient/{name} rank {rank}: {runs['sync']['collectives']}")
     assert not problems, "\n".join(problems)
 
@@ -271,7 +311,7 @@ def test_subgroup_syncs_its_members_only(launches, backend):
         metrics = [result[rank]["pair"][name]["metrics"] for rank in (0, 1)]
         problems += compare_to_union(metrics, datas[:2], name)
         for rank in (0, 1):
-            if result[rank]["pair"][name]["collectives"] != [ALL_REDUCE]:
+            if result[rank]["pair"][name]["collectives"] != FIRST_CALL:
                 problems.append(f"{name} rank {rank}: {result[rank]['pair'][name]['collectives']}")
     assert not problems, "\n".join(problems)
     # The data must tell the pair's union from WORLD's union and from each rank alone.
@@ -321,6 +361,37 @@ def test_ranks_with_different_settings_raise_everywhere(launches, world, backend
             outcome = rank_result[variant]
             assert outcome.get("raised") == "RuntimeError", (variant, rank, outcome)
             assert "differ between the ranks" in outcome["message"], (variant, rank, outcome)
+            assert f"global ranks [{world - 1}]" in outcome["message"], (variant, rank, outcome)
+
+
+# --------------------------------------------------------------------------- failures
+
+
+@with_backend
+@pytest.mark.parametrize("world", WORLDS)
+def test_bad_inputs_on_one_rank_raise_on_every_rank_in_that_call(launches, world, backend):
+    """The last rank's shapes are wrong in call 2 of 3: no rank returns from that call.
+
+    The bad rank raises its own ValueError, the others a RuntimeError naming it; in call 3,
+    with good inputs everywhere, every rank again takes the union's pair (nothing off by one).
+    """
+    result = launches.check(world, backend, "failure")
+    datas = [rank_result["data"] for rank_result in result]
+    name = "paper_upper_surrogate"
+    want = oracle(union_tokens(datas), name)
+    for rank, rank_result in enumerate(result):
+        first, failed, after = rank_result["calls"]
+        for outcome in (first, after):
+            assert "result" in outcome, (rank, outcome)
+            assert got_choice(outcome["result"]["metrics"]) == want, rank
+            assert outcome["result"]["collectives"][-1] == ALL_REDUCE, rank
+        if rank == world - 1:
+            assert failed.get("raised") == "ValueError", failed
+            assert "must share one shape" in failed["message"], failed
+        else:
+            assert failed.get("raised") == "RuntimeError", (rank, failed)
+            assert f"failed on global rank(s) [{world - 1}]" in failed["message"], failed
+    assert locals_differ(datas, name), "data cannot tell a local choice from a synced one"
 
 
 # --------------------------------------------------------------------------- sync off

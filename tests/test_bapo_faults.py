@@ -11,6 +11,7 @@ import math
 import subprocess
 import sys
 import textwrap
+from decimal import Decimal
 
 import numpy as np
 import pytest
@@ -131,10 +132,18 @@ def test_absurd_configs_raise_value_error_naming_the_argument(kwargs, name):
 
 
 @pytest.mark.parametrize(
-    "convert", [np.float64, np.float32, np.float16, lambda x: torch.tensor(x).item()]
+    "convert",
+    [
+        np.float64,
+        np.float32,
+        np.float16,
+        lambda x: torch.tensor(x).item(),
+        lambda x: torch.tensor(x, dtype=torch.float64),  # a 0-d tensor
+        lambda x: Decimal(repr(x)),
+    ],
 )
 def test_any_real_number_is_accepted_and_converted(convert):
-    """Numpy scalars configure the loss exactly as their float values do."""
+    """Numpy scalars, 0-d tensors and Decimals configure the loss as their float values do."""
     values = dict(
         ratio_lower_start=0.6,
         ratio_lower_max=0.9,
@@ -153,6 +162,11 @@ def test_any_real_number_is_accepted_and_converted(convert):
     mask = torch.ones_like(logprob)
     assert _call(converted, logprob, old, mask, adv)[1] == _call(plain, logprob, old, mask, adv)[1]
     assert BAPOPolicyLossFn(ratio_upper_start=np.int64(1), ratio_upper_max=np.int32(2))
+
+
+@pytest.mark.parametrize("flag", [np.bool_(True), np.bool_(False)])
+def test_numpy_booleans_set_the_sync_flag(flag):
+    assert BAPOPolicyLossFn(sync_across_dp=flag).sync.enabled is bool(flag)
 
 
 # --------------------------------------------------------------------------- masked tokens

@@ -262,6 +262,12 @@ def _ids(cases):
             (dict(ratio_upper_step=math.nan), "ratio_upper_step", "finite"),
             (dict(positive_contribution_target=math.nan), "positive_contribution_target", "finite"),
             (dict(clip_ratio_c=math.nan), "clip_ratio_c", "finite"),
+            (dict(ratio_upper_max=10**400), "ratio_upper_max", "finite"),  # float() overflows
+            (dict(ratio_lower_step="0.02"), "ratio_lower_step", "a real number"),
+            (dict(ratio_lower_start=True), "ratio_lower_start", "a real number"),
+            (dict(clip_ratio_c=torch.tensor([3.0])), "clip_ratio_c", "0-d tensor"),
+            (dict(sync_across_dp=1), "sync_across_dp", "a boolean"),
+            (dict(sync_across_dp="true"), "sync_across_dp", "a boolean"),
         ]
     ),
 )

@@ -138,7 +138,7 @@ def _run_case(rng, gen, order, contribution):
         rho=m["bapo_positive_contribution"],
         met=bool(m["bapo_target_met"]),
     )
-    on_edge = any(r in (lo[0], lo[1], hi[0], hi[1]) for r, a in tokens if a != 0)
+    on_edge = any(r in (lo[0], lo[1], hi[0], hi[1]) for r, a, _ in tokens if a != 0)
     info = dict(
         lower=lo,
         upper=hi,

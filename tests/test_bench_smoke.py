@@ -24,6 +24,7 @@ FIGURES = (
     "speedup_vs_literal_loop",
     "dp_speedup_vs_per_candidate_allreduce",
     "collectives_per_call",
+    "all_reduce_values_per_call",
     "large_grid_peak_rss_over_input",
 )
 PAPER_RANGES = dict(
@@ -58,7 +59,7 @@ def result(quick_run):
     return json.loads(lines[-1])
 
 
-def test_last_line_is_json_with_the_five_figures(result):
+def test_last_line_is_json_with_every_figure(result):
     for key in FIGURES:
         assert key in result, key
         value = result[key]
@@ -76,6 +77,8 @@ def test_steady_heap_figure_comes_from_a_tuned_child(result):
 
 def test_synchronised_call_makes_one_collective(result):
     assert result["collectives_per_call"] == 1
+    # header (failed ranks, non-finite tokens) + 16 lower (0.6..0.9) + 37 upper (1.2..3.0)
+    assert result["all_reduce_values_per_call"] == 2 + 16 + 37
     collectives = result["checks"]["dp_collectives"]
     assert collectives["loss_unsynced"] == 0
     assert collectives["literal"] == 52  # per candidate: one per pair on the 52-pair path

@@ -27,7 +27,7 @@ from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 
 from trinity.algorithm import ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN
-from trinity.algorithm.policy_loss_fn import bapo_policy_loss
+from trinity.algorithm.policy_loss_fn.bapo_sync import ContributionSync
 from trinity.algorithm.policy_loss_fn.policy_loss_fn import PolicyLossFn
 from trinity.common.config import AlgorithmConfig
 from trinity.trainer.verl.losses import TrinityPolicyLoss
@@ -326,7 +326,9 @@ def test_same_result_with_kl_loss(name, dp_group):
 
 
 class GroupRecordingLoss(PolicyLossFn):
-    """Declares dp_group; records what it receives."""
+    """Declares dp_group as a runtime key; records what it receives."""
+
+    _runtime_keys = {"dp_group"}
 
     def __init__(self, backend: str = "verl"):
         """Record calls in a list."""
@@ -408,13 +410,13 @@ def test_undeclared_dp_group_is_not_passed(dp_group):
 def test_bapo_search_reduces_over_the_passed_group(dp_group, monkeypatch):
     """BAPO hands the group it receives to its reduction, unchanged."""
     seen = []
-    real_reduce = bapo_policy_loss.reduce_contribution_sums
+    real_group_for = ContributionSync.group_for
 
-    def spy(sums, group, sync):
-        seen.append((group, sync))
-        return real_reduce(sums, group, sync)
+    def spy(self, group):
+        seen.append((group, self.enabled))
+        return real_group_for(self, group)
 
-    monkeypatch.setattr(bapo_policy_loss, "reduce_contribution_sums", spy)
+    monkeypatch.setattr(ContributionSync, "group_for", spy)
     src = _source()
     through_engine_loss("bapo", src, "padded", dp_group=dp_group)
     through_engine_loss("bapo", src, "padded")

@@ -1,10 +1,12 @@
-"""`make pr`'s patch applies to the Trinity-RFT 0.6.0 source distribution and its test passes there.
+"""`make pr`'s two patches each apply alone to the Trinity-RFT 0.6.0 sdist, and their tests pass.
 
-The source distribution comes from PyPI (`pip download`, cached under build/sdist/); the test is
-skipped only where it cannot be downloaded. The patch is applied with `git apply --check` and
-`git apply`, as a maintainer would, to the unpacked tree, whose files must then equal ours: the
-installed, patched trinity-rft files and our modules as the repo holds them. The patch's unit
-test then runs against that tree's code, with this environment's packages.
+`make pr` writes the BAPO pull request and the unrelated config fix as separate patches. Each
+is applied with `git apply --check` and `git apply`, as a maintainer would, to its own freshly
+unpacked source distribution (from PyPI, cached under build/sdist/; the tests skip only where it
+cannot be downloaded). The touched files must then equal ours: the installed, patched
+trinity-rft files and the files as the repo holds them. Each pull request's own unit test then
+runs against its tree's code, with this environment's packages; the config fix's test must
+also fail on the released tree, or it would prove nothing.
 """
 
 import importlib.metadata
@@ -18,9 +20,35 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-CACHE = REPO / "build" / "sdist"
-SDIST = "trinity_rft-0.6.0.tar.gz"
+SDIST = REPO / "build" / "sdist" / "trinity_rft-0.6.0.tar.gz"
 SITE = Path(str(importlib.metadata.distribution("trinity-rft").locate_file("")))
+PATCHES = REPO / "patches"
+# name -> (its parts in order, the files it adds, its unit test and how many tests that runs)
+PULL_REQUESTS = {
+    "bapo": (
+        [
+            "0001-policy-loss-runtime-keys.patch",
+            "0002-engine-loss-forwards-dp-group.patch",
+            "0003-legacy-actor-forwards-dp-group.patch",
+            "0004-register-bapo.patch",
+            "0005-readme-lists-bapo.patch",
+        ],
+        {
+            "trinity/algorithm/policy_loss_fn/bapo_policy_loss.py",
+            "trinity/algorithm/policy_loss_fn/bapo_search.py",
+            "trinity/algorithm/policy_loss_fn/bapo_sync.py",
+            "examples/bapo_gsm8k/gsm8k.yaml",
+            "examples/bapo_gsm8k/README.md",
+            "tests/algorithm/bapo_policy_loss_test.py",
+        },
+        ("tests/algorithm", "bapo_policy_loss_test.py", 4),
+    ),
+    "loss-agg-mode": (
+        ["loss-agg-mode-0001-config-copies-loss-agg-mode.patch"],
+        {"tests/common/loss_agg_mode_config_test.py"},
+        ("tests/common", "loss_agg_mode_config_test.py", 5),
+    ),
+}
 
 
 def run(*cmd: str | Path, cwd: Path, **env: str) -> subprocess.CompletedProcess:
@@ -31,86 +59,115 @@ def run(*cmd: str | Path, cwd: Path, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture(scope="module")
-def source_tree(tmp_path_factory) -> Path:
-    """The unpacked trinity-rft 0.6.0 source distribution."""
-    if not (CACHE / SDIST).is_file():
-        CACHE.mkdir(parents=True, exist_ok=True)
-        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-        try:
-            done = run(*pip, "trinity-rft==0.6.0", "-d", CACHE, cwd=REPO)
-        except subprocess.TimeoutExpired as timeout:
-            pytest.skip(f"the trinity-rft 0.6.0 source distribution cannot be had: {timeout}")
-        if done.returncode != 0 or not (CACHE / SDIST).is_file():
-            pytest.skip(f"the trinity-rft 0.6.0 source distribution cannot be had:\n{done.stderr}")
-    unpacked = tmp_path_factory.mktemp("sdist")
-    with tarfile.open(CACHE / SDIST) as archive:
-        archive.extractall(unpacked, filter="data")
-    return unpacked / "trinity_rft-0.6.0"
+def touched_by(names) -> set[str]:
+    """Paths the given patches change."""
+    text = "".join((PATCHES / name).read_text() for name in names)
+    return set(re.findall(r"^\+\+\+ b/(\S+)", text, re.M))
 
 
 @pytest.fixture(scope="module")
-def patch(tmp_path_factory) -> Path:
-    """The patch as `make pr` writes it."""
-    output = tmp_path_factory.mktemp("pr") / "trinity-rft-bapo.patch"
+def written(tmp_path_factory) -> Path:
+    """The folder `make pr` wrote both patches into (downloading the sdist if need be)."""
+    output = tmp_path_factory.mktemp("pr")
     done = run(sys.executable, REPO / "scripts" / "pr" / "make_patch.py", output, cwd=REPO)
+    if done.returncode != 0 and "cannot download" in done.stderr:
+        pytest.skip(f"the trinity-rft 0.6.0 source distribution cannot be had:\n{done.stderr}")
     assert done.returncode == 0, done.stderr
     return output
 
 
-@pytest.fixture(scope="module")
-def applied(source_tree: Path, patch: Path) -> list[str]:
-    """Apply the patch to the source tree; return the paths it touches."""
-    assert (source_tree / "trinity" / "__init__.py").is_file()
-    check = run("git", "apply", "--check", patch, cwd=source_tree)
+def fresh_tree(tmp_path_factory) -> Path:
+    """A newly unpacked sdist."""
+    unpacked = tmp_path_factory.mktemp("sdist")
+    with tarfile.open(SDIST) as archive:
+        archive.extractall(unpacked, filter="data")
+    return unpacked / "trinity_rft-0.6.0"
+
+
+@pytest.fixture(scope="module", params=sorted(PULL_REQUESTS))
+def applied(request, written, tmp_path_factory):
+    """(name, tree, touched paths) for one pull request applied alone to its own sdist tree."""
+    patch = written / f"trinity-rft-{request.param}.patch"
+    tree = fresh_tree(tmp_path_factory)
+    assert (tree / "trinity" / "__init__.py").is_file()
+    check = run("git", "apply", "--check", patch, cwd=tree)
     assert check.returncode == 0, check.stderr
-    done = run("git", "apply", patch, cwd=source_tree)
+    done = run("git", "apply", patch, cwd=tree)
     assert done.returncode == 0, done.stderr
-    return re.findall(r"^diff --git a/\S+ b/(\S+)$", patch.read_text(), re.M)
+    touched = re.findall(r"^diff --git a/\S+ b/(\S+)$", patch.read_text(), re.M)
+    return request.param, tree, touched
 
 
-def test_patch_holds_the_series_our_modules_the_example_and_the_unit_test(applied) -> None:
-    ours = {str(p.relative_to(REPO)) for p in (REPO / "trinity").rglob("*.py")}
-    series = [REPO / "patches" / name for name in (REPO / "patches" / "series").read_text().split()]
-    changed = set(re.findall(r"^\+\+\+ b/(\S+)", "".join(p.read_text() for p in series), re.M))
-    assert ours and changed and "examples/bapo_gsm8k/gsm8k.yaml" in applied
-    assert set(applied) == ours | changed | {
-        "examples/bapo_gsm8k/gsm8k.yaml",
-        "examples/bapo_gsm8k/README.md",
-        "tests/algorithm/bapo_policy_loss_test.py",
-    }
+def unit_test(tree: Path, folder: str, pattern: str) -> subprocess.CompletedProcess:
+    """Run one unittest file against the tree's code."""
+    return run(
+        sys.executable,
+        *("-m", "unittest", "discover", "-v", "-s", folder, "-p", pattern),
+        cwd=tree,
+        PYTHONPATH=str(tree),
+    )
 
 
-def test_every_touched_file_equals_ours(source_tree: Path, applied: list[str]) -> None:
-    for rel in applied:
-        got = (source_tree / rel).read_bytes()
+def test_make_pr_writes_exactly_the_two_pull_requests(written) -> None:
+    names = sorted(p.name for p in written.iterdir())
+    assert names == sorted(f"trinity-rft-{name}.patch" for name in PULL_REQUESTS)
+
+
+def test_the_pull_requests_hold_the_whole_installed_series() -> None:
+    """Every installed patch is in one pull request; the README row is the only extra part."""
+    series = (PATCHES / "series").read_text().split()
+    parts = [name for patches, _, _ in PULL_REQUESTS.values() for name in patches]
+    assert sorted(set(parts) - set(series)) == ["0005-readme-lists-bapo.patch"]
+    assert set(series) <= set(parts) and len(parts) == len(set(parts))
+    assert touched_by(["0005-readme-lists-bapo.patch"]) == {"README.md"}
+
+
+@pytest.mark.parametrize("name", sorted(PULL_REQUESTS))
+def test_subjects_are_numbered_against_their_own_series(name) -> None:
+    patches = PULL_REQUESTS[name][0]
+    for index, part in enumerate(patches, start=1):
+        first = (PATCHES / part).read_text().splitlines()[0]
+        assert first.startswith(f"Subject: [PATCH {index}/{len(patches)}] "), (part, first)
+
+
+def test_each_patch_holds_its_parts_and_files(applied) -> None:
+    name, _, touched = applied
+    patches, added, _ = PULL_REQUESTS[name]
+    assert set(touched) == touched_by(patches) | added
+
+
+def test_every_touched_file_equals_ours(applied) -> None:
+    name, tree, touched = applied
+    added = PULL_REQUESTS[name][1]
+    for rel in touched:
+        got = (tree / rel).read_bytes()
         if rel.startswith("trinity/"):
             assert got == (SITE / rel).read_bytes(), f"{rel} differs from the installed file"
-        if (REPO / rel).is_file():
+        if rel in added:
             assert got == (REPO / rel).read_bytes(), f"{rel} differs from the repo's file"
 
 
-def test_unit_test_passes_against_the_patched_tree(source_tree: Path, applied: list[str]) -> None:
-    where = run(
-        sys.executable,
-        "-c",
-        "import trinity.algorithm.policy_loss_fn.bapo_policy_loss as m; print(m.__file__)",
-        cwd=source_tree,
-        PYTHONPATH=str(source_tree),
-    )
-    assert Path(where.stdout.strip()).is_relative_to(source_tree), where.stderr
-    done = run(
-        sys.executable,
-        "-m",
-        "unittest",
-        "discover",
-        "-v",
-        "-s",
-        "tests/algorithm",
-        "-p",
-        "bapo_policy_loss_test.py",
-        cwd=source_tree,
-        PYTHONPATH=str(source_tree),
-    )
+def test_unit_test_passes_against_the_patched_tree(applied) -> None:
+    name, tree, _ = applied
+    folder, pattern, count = PULL_REQUESTS[name][2]
+    if name == "bapo":
+        where = run(
+            sys.executable,
+            "-c",
+            "import trinity.algorithm.policy_loss_fn.bapo_policy_loss as m; print(m.__file__)",
+            cwd=tree,
+            PYTHONPATH=str(tree),
+        )
+        assert Path(where.stdout.strip()).is_relative_to(tree), where.stderr
+    done = unit_test(tree, folder, pattern)
     assert done.returncode == 0, done.stderr
-    assert "Ran 4 tests" in done.stderr and "OK" in done.stderr, done.stderr
+    assert f"Ran {count} tests" in done.stderr and "OK" in done.stderr, done.stderr
+
+
+def test_config_fix_test_fails_on_the_released_tree(written, tmp_path_factory) -> None:
+    tree = fresh_tree(tmp_path_factory)
+    rel = "tests/common/loss_agg_mode_config_test.py"
+    (tree / rel).parent.mkdir(parents=True)
+    (tree / rel).write_bytes((REPO / rel).read_bytes())
+    done = unit_test(tree, "tests/common", "loss_agg_mode_config_test.py")
+    assert done.returncode != 0 and "FAILED (failures=" in done.stderr, done.stderr

@@ -5,8 +5,9 @@ Every rank builds its own micro-batch (seed = rank) on which the paper target is
 times, interleaved and between barriers:
 
 * ``literal``: the authors' style, one all_reduce of [P, N] and one ``.item()`` per candidate;
-* ``ours``: ``local_sums`` + ``reduce_contribution_sums`` (one all_reduce of the whole vector)
-  + ``decide``, i.e. the search as the loss runs it with ``dp_group``;
+* ``ours``: ``local_sums`` + the loss's ``sync.reduce`` (one all_reduce of the header and
+  the candidates' sums, 55 values on the paper grid) + ``decide``, i.e. the search as the loss
+  runs it with ``dp_group``;
 * ``loss``: the whole ``BAPOPolicyLossFn`` forward with ``dp_group`` (information).
 
 Each repeat starts at a barrier and makes ``--calls-per-repeat`` calls back to back, as a
@@ -50,7 +51,7 @@ COLLECTIVES = (
     "reduce_scatter_tensor",
     "scatter",
 )
-calls = {"n": 0}
+calls = {"n": 0, "values": 0}
 _original: Dict[str, Any] = {}
 
 
@@ -67,16 +68,18 @@ def count_collectives() -> None:
         _original[name] = fn
 
         @functools.wraps(fn)
-        def wrapper(*args, __fn=fn, **kwargs):
+        def wrapper(*args, __fn=fn, __name=name, **kwargs):
             calls["n"] += 1
+            if __name == "all_reduce":
+                calls["values"] += args[0].numel()
             return __fn(*args, **kwargs)
 
         setattr(dist, name, wrapper)
 
 
 def counted(fn) -> int:
-    """Collectives made by one call of ``fn``."""
-    calls["n"] = 0
+    """Collectives made by one call of ``fn`` (and the values its all-reduces sent, kept)."""
+    calls["n"] = calls["values"] = 0
     fn()
     return calls["n"]
 
@@ -105,7 +108,6 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
-    from trinity.algorithm.policy_loss_fn.bapo_sync import reduce_contribution_sums
 
     group = dist.group.WORLD
     batch = make_batch(shape_for(args.tokens_per_rank), seed=1000 + rank)
@@ -119,7 +121,7 @@ def main() -> None:
 
     def ours():
         sums = search.local_sums(ratio, adv, mask, finite)
-        return search.decide(sums, reduce_contribution_sums(sums, group, True))
+        return search.decide(loss_fn.sync.reduce(sums, group))
 
     contenders = {
         "literal": lambda: literal_search(ratio, adv, mask, PAPER, all_reduce=all_reduce),
@@ -142,6 +144,7 @@ def main() -> None:
 
     per_call = {
         "loss_synced": counted(lambda: loss_fn(**batch, dp_group=group)),
+        "loss_synced_values": calls["values"],
         "loss_unsynced": counted(lambda: unsynced(**batch, dp_group=group)),
         "literal": counted(contenders["literal"]),
     }

@@ -82,9 +82,9 @@ def bapo_start_pair() -> List[float]:
 
 def require_patched_trinity() -> None:
     """Fail early, with the fix, if the installed trinity-rft lacks the dp_group series."""
-    from trinity.algorithm.policy_loss_fn.policy_loss_fn import PolicyLossFnMeta
+    from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 
-    if "dp_group" not in getattr(PolicyLossFnMeta, "runtime_keys", ()):
+    if "dp_group" in getattr(BAPOPolicyLossFn(), "select_keys"):  # released: read as data
         raise SystemExit(
             "the installed trinity-rft is not patched (no dp_group runtime key); "
             "run `make setup` or `.venv/bin/python scripts/trinity_patches.py apply`"

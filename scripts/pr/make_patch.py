@@ -1,94 +1,139 @@
-"""Write dist/trinity-rft-bapo.patch: all of BAPO as one git patch against Trinity-RFT 0.6.0.
+"""Write the pull requests: one git patch each against the Trinity-RFT 0.6.0 source distribution.
 
-The patch holds the series in patches/ and adds our modules under trinity/, the example under
-examples/bapo_gsm8k/ and the unit test tests/algorithm/bapo_policy_loss_test.py. It is the diff
-between two trees in a scratch git repository: the released files (rebuilt from the installed
-trinity-rft by reverse-applying the series, checked against pip's RECORD) and the same files
-with the series applied and ours added. A maintainer applies it at the root of a v0.6.0 checkout
-with ``git apply``. Run: make pr (or: scripts/pr/make_patch.py [OUTPUT])
+- ``dist/trinity-rft-bapo.patch``: BAPO (the runtime-key interface, the engine forwarding the
+  dp_group, the legacy actor, the registry and preset, the README row) with our modules, the
+  example and the unit test.
+- ``dist/trinity-rft-loss-agg-mode.patch``: the config validator fix and its test, unrelated
+  to BAPO and so a pull request of its own.
+
+Each is the diff between the unpacked source distribution (from PyPI, cached in build/sdist/)
+and the same tree with that pull request's patches applied and its files added, preceded by its
+description (``patches/pr/<name>.md``) and the parts it holds; ``git apply`` skips that text. A
+maintainer applies either one alone at the root of a v0.6.0 checkout.
+Run: make pr (or: scripts/pr/make_patch.py [OUTPUT_DIR])
 """
 
+import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import List
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import trinity_patches as tool  # noqa: E402
-
-REPO = tool.REPO
-OUTPUT = REPO / "dist" / "trinity-rft-bapo.patch"
-UNIT_TEST = "tests/algorithm/bapo_policy_loss_test.py"
+REPO = Path(__file__).resolve().parents[2]
+PATCHES = REPO / "patches"
+OUTPUT = REPO / "dist"
+SDIST = REPO / "build" / "sdist" / "trinity_rft-0.6.0.tar.gz"
 
 
-def added_files() -> list[str]:
-    """Repo-relative paths of everything the patch adds, as they lie in both trees."""
-    modules = [p for p in (REPO / "trinity").rglob("*.py") if "__pycache__" not in p.parts]
-    example = [p for p in (REPO / "examples" / "bapo_gsm8k").rglob("*") if p.is_file()]
-    return sorted(str(p.relative_to(REPO)) for p in modules + example) + [UNIT_TEST]
+@dataclass(frozen=True)
+class PullRequest:
+    """The patches (in order) and the repo files one pull request holds."""
+
+    name: str
+    patches: List[str]
+    files: List[str]
+
+    def description(self) -> str:
+        """The text before the diff: the description, then what the patch holds, per part."""
+        parts = [(PATCHES / p).read_text().split("\n--- a/", 1)[0].strip() for p in self.patches]
+        return "\n".join(
+            [
+                (PATCHES / "pr" / f"{self.name}.md").read_text().strip(),
+                "",
+                "Changes to existing files, one part each:",
+                "",
+                *(part.replace("Subject: ", "") + "\n" for part in parts),
+                "New files:",
+                *(f"  {rel}" for rel in self.files),
+                "",
+                "",
+            ]
+        )
+
+
+def _files(*folders: str) -> List[str]:
+    """Repo-relative paths of the files under the folders (no bytecode)."""
+    found = [p for f in folders for p in (REPO / f).rglob("*") if p.is_file()]
+    return sorted(str(p.relative_to(REPO)) for p in found if "__pycache__" not in p.parts)
+
+
+def pull_requests() -> List[PullRequest]:
+    """Both pull requests, BAPO first."""
+    bapo_patches = sorted(p.name for p in PATCHES.glob("000*.patch"))
+    return [
+        PullRequest(
+            "bapo",
+            bapo_patches,
+            _files("trinity", "examples/bapo_gsm8k") + ["tests/algorithm/bapo_policy_loss_test.py"],
+        ),
+        PullRequest(
+            "loss-agg-mode",
+            ["loss-agg-mode-0001-config-copies-loss-agg-mode.patch"],
+            ["tests/common/loss_agg_mode_config_test.py"],
+        ),
+    ]
+
+
+def source_distribution() -> Path:
+    """The trinity-rft 0.6.0 sdist, downloaded once; raises RuntimeError if it cannot be had."""
+    if not SDIST.is_file():
+        SDIST.parent.mkdir(parents=True, exist_ok=True)
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        done = subprocess.run(
+            [*pip, "trinity-rft==0.6.0", "-d", str(SDIST.parent)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        if done.returncode != 0 or not SDIST.is_file():
+            raise RuntimeError(f"cannot download the trinity-rft 0.6.0 sdist:\n{done.stderr}")
+    return SDIST
+
+
+def unpack(into: Path) -> Path:
+    """Unpack the sdist under ``into``; return its root."""
+    with tarfile.open(source_distribution()) as archive:
+        archive.extractall(into, filter="data")
+    return into / "trinity_rft-0.6.0"
 
 
 def git(root: Path, *args: str) -> str:
-    """Run git in the scratch repository and return its output."""
-    done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True)
+    """Run git in ``root`` (never in an enclosing repository) and return its output."""
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(root.parent)}
+    done = subprocess.run(
+        ["git", *args], cwd=root, capture_output=True, text=True, check=True, env=env
+    )
     return done.stdout
 
 
-def released_tree(root: Path) -> None:
-    """Fill `root` with the released versions of the files the series touches."""
-    site = Path(str(tool.importlib.metadata.distribution(tool.DIST).locate_file(""))).resolve()
-    released = tool.released_hashes(site)
-    tool.stage(site, tool.touched(), str(root))
-    applied = tool.pending(site, released, "revert")
-    if applied:
-        done = tool.git_apply(root, "-R", *applied[::-1])
-        assert done.returncode == 0, done.stderr.decode()
-    wrong = [rel for rel in tool.touched() if tool.sha256(root / rel) != released[rel]]
-    assert not wrong, f"not the released files: {wrong}"
-
-
-def description() -> str:
-    """The text before the diff (git apply skips it): what the patch holds, per part."""
-    parts = [p.read_text().split("\n--- a/", 1)[0].strip() for p in tool.series()]
-    lines = [
-        "BAPO (Balanced Policy Optimization with Adaptive Clipping, arXiv 2510.18927)",
-        "for Trinity-RFT 0.6.0. Apply at the root of a v0.6.0 checkout: git apply <this file>",
-        "",
-        "Changes to existing files, one part each:",
-        "",
-        *(part.replace("Subject: ", "") + "\n" for part in parts),
-        "New files:",
-        *(f"  {rel}" for rel in added_files()),
-        "",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def main(output: Path = OUTPUT) -> int:
-    """Build both trees, diff them, write the patch (to the path given as argument, if any)."""
+def diff(pr: PullRequest) -> str:
+    """The pull request's diff against the sdist, made in a scratch git repository."""
     with tempfile.TemporaryDirectory(prefix="trinity-pr-") as tmp:
-        root = Path(tmp, "Trinity-RFT")
-        root.mkdir()
-        released_tree(root)
+        root = unpack(Path(tmp))
         git(root, "init", "-q")
         git(root, "add", "-A")
         base = git(root, "write-tree").strip()
-        done = tool.git_apply(root, *tool.series())
-        assert done.returncode == 0, done.stderr.decode()
-        for rel in added_files():
+        git(root, "apply", *(str(PATCHES / p) for p in pr.patches))
+        for rel in pr.files:
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(REPO / rel, root / rel)
         git(root, "add", "-A")
         head = git(root, "write-tree").strip()
         prefixes = ["--src-prefix=a/", "--dst-prefix=b/", "--no-renames", "--no-ext-diff"]
-        diff = git(root, "diff", "--no-color", *prefixes, base, head)
-    output.parent.mkdir(exist_ok=True)
-    output.write_text(description() + diff)
-    counts = f"{len(tool.touched())} files changed, {len(added_files())} added"
-    print(f"wrote {output}: {counts}")
+        return git(root, "diff", "--no-color", *prefixes, base, head)
+
+
+def main(output: Path = OUTPUT) -> int:
+    """Write every pull request's patch into ``output``."""
+    output.mkdir(parents=True, exist_ok=True)
+    for pr in pull_requests():
+        path = output / f"trinity-rft-{pr.name}.patch"
+        path.write_text(pr.description() + diff(pr))
+        print(f"wrote {path}: {len(pr.patches)} parts, {len(pr.files)} files added")
     return 0
 
 

@@ -32,17 +32,24 @@ PROMPT_WIDTH = 4
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Names of the c10d ops (all_reduce, broadcast, barrier, ...) dispatched while active."""
+    """The c10d ops (all_reduce, all_gather, barrier, ...) dispatched while active.
+
+    ``ops`` holds their names; ``values`` the element count each one sends (its first tensor
+    argument, or the first tensor of its first list argument).
+    """
 
     def __init__(self):
         """Start with no collective seen."""
         super().__init__()
         self.ops = []
+        self.values = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         """Record c10d ops, then run every op unchanged."""
         if func.namespace == "c10d":
             self.ops.append(str(func))
+            first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+            self.values.append(first.numel() if torch.is_tensor(first) else None)
         return func(*args, **(kwargs or {}))
 
 
@@ -73,24 +80,35 @@ def _plain(metrics):
 
 
 def counted_call(loss_fn, **kwargs):
-    """Call the loss with the collective counter active; return (loss, metrics, c10d ops)."""
+    """Call the loss with the collective counter active; return (loss, metrics, counter)."""
     with CollectiveCounter() as counter:
         loss, metrics = loss_fn(**kwargs)
-    return loss, metrics, counter.ops
+    return loss, metrics, counter
+
+
+def run_record(loss, metrics, counter):
+    """What a driver reads of one call: metrics, loss, collectives and their sizes."""
+    return {
+        "metrics": _plain(metrics),
+        "loss": float(loss),
+        "collectives": counter.ops,
+        "values": counter.values,
+    }
 
 
 def call_bapo(ctx, loss_fn, data, group):
     """Call BAPO on one case with ``group``; return metrics, loss and collectives."""
     data = ctx.put(data)
-    loss, metrics, ops = counted_call(
-        loss_fn,
-        logprob=data["logprob"],
-        old_logprob=data["old_logprob"],
-        action_mask=data["mask"],
-        advantages=data["advantages"],
-        dp_group=group,
+    return run_record(
+        *counted_call(
+            loss_fn,
+            logprob=data["logprob"],
+            old_logprob=data["old_logprob"],
+            action_mask=data["mask"],
+            advantages=data["advantages"],
+            dp_group=group,
+        )
     )
-    return {"metrics": _plain(metrics), "loss": float(loss), "collectives": ops}
 
 
 # --------------------------------------------------------------------------- checks
@@ -116,13 +134,17 @@ def check_group_none(ctx):
 
 
 def check_oracle(ctx):
-    """Every case x config through BAPOPolicyLossFn with dp_group=WORLD."""
+    """Every case x config through BAPOPolicyLossFn with dp_group=WORLD.
+
+    One loss per config serves every case, in order, so that the first case's calls are the
+    first on the group and the later ones show what each call after it costs.
+    """
+    losses = {name: BAPOPolicyLossFn(**common.loss_kwargs(name)) for name in common.CONFIGS}
     out = {}
     for case in common.CASES:
         data = common.make_case(case, ctx.rank, ctx.world, ctx.seed)
         runs = {}
-        for name in common.CONFIGS:
-            loss_fn = BAPOPolicyLossFn(**common.loss_kwargs(name))
+        for name, loss_fn in losses.items():
             runs[name] = call_bapo(ctx, loss_fn, data, dist.group.WORLD)
         out[case] = {"data": common.case_to_lists(data), "runs": runs}
     return out
@@ -201,17 +223,18 @@ def check_trinity(ctx):
     """Every case x config through TrinityPolicyLoss with the engine's (model_output, data)."""
     from trinity.trainer.verl.losses import TrinityPolicyLoss
 
+    losses = {name: TrinityPolicyLoss(algorithm_config(name)) for name in common.CONFIGS}
     out = {}
     for case in common.CASES:
         data = common.make_case(case, ctx.rank, ctx.world, ctx.seed)
         model_output, batch = verl_micro_batch(ctx, data, case)
         runs = {}
-        for name in common.CONFIGS:
-            loss_fn = TrinityPolicyLoss(algorithm_config(name))
-            loss, metrics, ops = counted_call(
-                loss_fn, model_output=model_output, data=batch, dp_group=dist.group.WORLD
+        for name, loss_fn in losses.items():
+            runs[name] = run_record(
+                *counted_call(
+                    loss_fn, model_output=model_output, data=batch, dp_group=dist.group.WORLD
+                )
             )
-            runs[name] = {"metrics": _plain(metrics), "loss": float(loss), "collectives": ops}
         out[case] = {"data": common.case_to_lists(data), "runs": runs}
     return out
 
@@ -293,6 +316,27 @@ def check_nonmember(ctx):
     return out
 
 
+FAILING_CALL = 1  # of three calls on one loss; the last rank passes a bad shape in this one
+
+
+def check_failure(ctx):
+    """The last rank's inputs fail BAPO's checks in the middle call of three.
+
+    Every rank records what each call returned or raised; the third call, where every rank's
+    inputs are good again, shows that nobody's collectives were left out of step.
+    """
+    data = common.make_case("mixed", ctx.rank, ctx.world, ctx.seed)
+    loss_fn = BAPOPolicyLossFn(**common.loss_kwargs("paper_upper_surrogate"))
+    calls = []
+    for call in range(3):
+        case = data
+        if call == FAILING_CALL and ctx.rank == ctx.world - 1:
+            case = {**data, "advantages": data["advantages"][:, :-1]}  # one column short
+        calls.append(_outcome(lambda: call_bapo(ctx, loss_fn, case, dist.group.WORLD)))
+    dist.barrier()
+    return {"data": common.case_to_lists(data), "calls": calls}
+
+
 NAN_UNMASKED = 2  # NaN log-probs placed on unmasked tokens of the last rank
 
 
@@ -338,7 +382,7 @@ def check_gradient(ctx):
             logprob = common.tiny_policy_logprob(params, dev["prev"], dev["target"])
             old_logprob = logprob.detach() - dev["log_ratio"]
             loss_fn = BAPOPolicyLossFn(**common.loss_kwargs(name, sync_across_dp=sync))
-            loss, metrics, ops = counted_call(
+            loss, metrics, counter = counted_call(
                 loss_fn,
                 logprob=logprob,
                 old_logprob=old_logprob,
@@ -355,7 +399,7 @@ def check_gradient(ctx):
             runs = out["runs"].setdefault(name, {})
             runs["sync" if sync else "nosync"] = {
                 "metrics": _plain(metrics),
-                "collectives": ops,
+                "collectives": counter.ops,
                 "grad": grads,
             }
     return out
@@ -378,6 +422,7 @@ CHECKS = {
     "gradient": check_gradient,
     "mismatch": check_mismatch,
     "nonmember": check_nonmember,
+    "failure": check_failure,
 }
 
 

@@ -12,8 +12,10 @@ The search itself lives in ``bapo_search`` (pure tensors) and the data-parallel 
 
 import math
 import numbers
+from decimal import Decimal
 from typing import Dict, Optional, Tuple
 
+import numpy as np
 import torch
 
 from trinity.algorithm.policy_loss_fn.bapo_search import (
@@ -23,7 +25,7 @@ from trinity.algorithm.policy_loss_fn.bapo_search import (
     BoundSearch,
     candidate_grid,
 )
-from trinity.algorithm.policy_loss_fn.bapo_sync import reduce_contribution_sums
+from trinity.algorithm.policy_loss_fn.bapo_sync import ContributionSync
 from trinity.algorithm.policy_loss_fn.policy_loss_fn import PolicyLossFn
 from trinity.algorithm.utils import aggregate_loss, masked_mean
 
@@ -49,10 +51,17 @@ def _choice(name: str, value, choices: Tuple[str, ...]) -> None:
 
 
 def _number(name: str, value) -> float:
-    """Any finite real number (Python, numpy or a 0-d tensor's ``item()``), as a float."""
-    is_real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    _require(is_real and math.isfinite(value), name, "a finite number", value)
-    return float(value)
+    """Any finite real number as a float: Python, numpy, ``Decimal`` or a 0-d tensor."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype != torch.bool:
+        value = value.item()
+    real = isinstance(value, (numbers.Real, Decimal)) and not isinstance(value, (bool, np.bool_))
+    _require(real, name, "a real number (int, float, Decimal, numpy or 0-d tensor)", value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    _require(math.isfinite(number), name, "a finite number", value)
+    return number
 
 
 def _movable_range(prefix: str, values, smallest: float, largest: float, allowed: str, cap: bool):
@@ -96,9 +105,8 @@ class BAPOPolicyLossFn(PolicyLossFn):
         if clip_ratio_c is not None:
             clip_ratio_c = _number("clip_ratio_c", clip_ratio_c)
             _require(clip_ratio_c > 1.0, "clip_ratio_c", "> 1 (or None to disable)", clip_ratio_c)
-        _require(
-            isinstance(sync_across_dp, bool), "sync_across_dp", "true or false", sync_across_dp
-        )
+        flag = isinstance(sync_across_dp, (bool, np.bool_))
+        _require(flag, "sync_across_dp", "a boolean (true or false)", sync_across_dp)
         cap = search_order == "lower_first"
         lower = _movable_range(
             "ratio_lower",
@@ -117,9 +125,12 @@ class BAPOPolicyLossFn(PolicyLossFn):
             cap,
         )
         self.search = BoundSearch(lower, upper, target, search_order, contribution, clip_ratio_c)
+        self.sync_across_dp = bool(sync_across_dp)
+        self.sync = ContributionSync(self.search.settings, self.sync_across_dp)
         self.clip_ratio_c = clip_ratio_c
         self.loss_agg_mode = loss_agg_mode
-        self.sync_across_dp = sync_across_dp
+
+    _runtime_keys = {"dp_group"}  # passed by the trainer alongside the batch, not read from it
 
     def __call__(  # type: ignore
         self,
@@ -130,28 +141,23 @@ class BAPOPolicyLossFn(PolicyLossFn):
         dp_group=None,
         **kwargs,
     ) -> Tuple[torch.Tensor, Dict]:
-        """Choose the clip pair for this micro-batch (over the group); return the clipped loss."""
-        shapes = {t.shape for t in (logprob, old_logprob, action_mask, advantages)}
-        if len(shapes) != 1:
-            raise ValueError(
-                "BAPO: logprob, old_logprob, action_mask and advantages must share one shape, "
-                f"got {tuple(logprob.shape)}, {tuple(old_logprob.shape)}, "
-                f"{tuple(action_mask.shape)}, {tuple(advantages.shape)}"
-            )
-        # Masked tokens take part in nothing: zeroed before any arithmetic, so that even a NaN
-        # there reaches neither the loss nor its gradient. Live tokens see PPO's exact values.
-        masked = action_mask == 0
-        raw_log_ratio = (logprob - old_logprob).masked_fill(masked, 0.0)
-        advantages = advantages.masked_fill(masked, 0.0)
-        log_ratio = torch.clamp(raw_log_ratio, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
-        ratio = torch.exp(log_ratio)
-        # One test covers all three inputs: NaN and +-inf survive the sum (inf - inf is NaN),
-        # while the clamp above would hide an infinite log-prob inside a finite ratio.
-        finite = torch.isfinite(raw_log_ratio.detach() + advantages)
+        """Choose the clip pair for this micro-batch (over the group); return the clipped loss.
 
-        sums = self.search.local_sums(ratio, advantages, action_mask, finite)
-        ranks = reduce_contribution_sums(sums, dp_group, self.sync_across_dp)
-        choice = self.search.decide(sums, ranks)
+        When the sums are synchronised, a rank whose inputs fail still joins the all-reduce,
+        so that every rank of the group raises in this same call rather than pairing its next
+        collective with the wrong one.
+        """
+        group = self.sync.group_for(dp_group)
+        try:
+            ratio, log_ratio, advantages, sums = self._search_inputs(
+                logprob, old_logprob, action_mask, advantages
+            )
+        except Exception:
+            if group is not None:  # the peers must neither wait nor pair with the next call
+                device = logprob.device if isinstance(logprob, torch.Tensor) else None
+                self.sync.report_failure(self.search.failure_sums(device), group)
+            raise
+        choice = self.search.decide(self.sync.reduce(sums, group))
 
         pg_loss, clip_metrics = self._clipped_loss(
             ratio, advantages, action_mask, choice.clip_low, choice.clip_high
@@ -168,6 +174,45 @@ class BAPOPolicyLossFn(PolicyLossFn):
             "pg_loss": pg_loss.detach().item(),
         }
         return pg_loss, metrics
+
+    def _search_inputs(self, logprob, old_logprob, action_mask, advantages):
+        """Check the inputs; return the ratio, log-ratio, cleaned advantages and local sums."""
+        shapes = {t.shape for t in (logprob, old_logprob, action_mask, advantages)}
+        if len(shapes) != 1:
+            raise ValueError(
+                "BAPO: logprob, old_logprob, action_mask and advantages must share one shape, "
+                f"got {tuple(logprob.shape)}, {tuple(old_logprob.shape)}, "
+                f"{tuple(action_mask.shape)}, {tuple(advantages.shape)}"
+            )
+        # Masked tokens take part in nothing: zeroed before any arithmetic, so that even a NaN
+        # there reaches neither the loss nor its gradient. Live tokens see PPO's exact values.
+        masked = action_mask == 0
+        raw_log_ratio = (logprob - old_logprob).masked_fill(masked, 0.0)
+        advantages = advantages.masked_fill(masked, 0.0)
+        log_ratio = torch.clamp(raw_log_ratio, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+        ratio = torch.exp(log_ratio)
+        # One test covers every input: NaN and +-inf survive the sum (inf - inf is NaN), while
+        # the clamp above would hide an infinite log-prob inside a finite ratio.
+        checked = raw_log_ratio.detach() + advantages.detach()
+        if action_mask.dtype != torch.bool:  # a NaN mask value leaves its token live (NaN != 0)
+            checked = checked + action_mask.detach()
+        finite = torch.isfinite(checked)
+        weight = None
+        if self.search.contribution == "gradient":
+            weight = self._gradient_weights(raw_log_ratio.detach(), action_mask)
+        sums = self.search.local_sums(ratio, advantages, action_mask, finite, weight)
+        return ratio, log_ratio, advantages, sums
+
+    def _gradient_weights(self, raw_log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Each token's factor in dL/dlogp besides |A| r: what autograd gives it.
+
+        The aggregation's own weight (up to one constant per call, which rho does not see) and
+        0 past the log-ratio clamp, where the loss no longer depends on logp.
+        """
+        weight = mask.to(torch.float64)
+        if self.loss_agg_mode == "seq-mean-token-mean":  # each sequence weighs 1 / its length
+            weight = weight / (weight.sum(dim=-1, keepdim=True) + 1e-8)
+        return weight.masked_fill(raw_log_ratio.abs() > LOG_RATIO_CLAMP, 0.0)
 
     def _clipped_loss(
         self,

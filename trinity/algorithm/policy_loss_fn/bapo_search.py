@@ -2,8 +2,8 @@
 
 The search is split in two pure steps so that data-parallel ranks can meet in between:
 
-1. ``BoundSearch.local_sums`` makes one pass over the tokens and returns, for every candidate
-   bound, the positive contribution P (one value per upper candidate) and the negative
+1. ``BoundSearch.local_sums`` makes one pass over the tokens and returns, after a two-value
+   header, the positive contribution P (one value per upper candidate) and the negative
    contribution N (one value per lower candidate) in one float64 vector. P depends only on
    ``c_high`` and N only on ``c_low`` (Eq. 8 of the paper), so no tokens x candidates tensor
    is ever built.
@@ -25,8 +25,8 @@ CONTRIBUTIONS = ("surrogate", "gradient")
 LOG_RATIO_CLAMP = 20.0  # the loss clamps log r to [-20, 20], as PPOPolicyLossFn does
 TINY = torch.finfo(torch.float64).tiny  # below every bound (bounds are normal float32 numbers)
 MAX_CANDIDATES = 10_000  # per range; guards against a step so small the grid explodes
-HEADER = 3  # fingerprint, its square, non-finite token count
-SYNC_LENGTH = HEADER + 2 * MAX_CANDIDATES  # every rank reduces this many values, whatever its grid
+# The sums vector opens with a header: ranks whose inputs failed, non-finite live tokens.
+FAILED, NONFINITE, HEADER = 0, 1, 2
 LANES = 256  # copies of each histogram bin on CUDA, against atomic-add contention
 
 
@@ -91,6 +91,11 @@ def histograms(bins: torch.Tensor, weights: List, size: int, lanes: int) -> List
     return [h.view(size, lanes).sum(1) for h in sums]
 
 
+def _suffix_sums(values: torch.Tensor) -> torch.Tensor:
+    """Entry k: the sum of ``values[k:]``."""
+    return values.flip(0).cumsum(0).flip(0)
+
+
 class BoundSearch:
     """Candidate grids and the two search steps for one set of BAPO hyper-parameters."""
 
@@ -109,28 +114,31 @@ class BoundSearch:
         self.search_order = search_order
         self.contribution = contribution
         self.clip_ratio_c = clip_ratio_c
-        # An integer in [1, 2**16]: sums of it and its square over up to 2**21 ranks are exact
-        # in float64, so ranks whose settings differ show up in the reduced header.
         settings = repr((lower, upper, target, search_order, contribution, clip_ratio_c))
-        self.fingerprint = 1 + int.from_bytes(hashlib.sha256(settings.encode()).digest()[:2])
-        self._constants: Dict[Tuple[str, torch.dtype], Tuple[torch.Tensor, ...]] = {}
+        fingerprint = int.from_bytes(hashlib.sha256(settings.encode()).digest()[:7])
+        # What every rank of a group must agree on before their sums can be added up.
+        self.settings = (fingerprint, len(lower), len(upper))
+        self.length = HEADER + len(upper) + len(lower)  # values in a sums vector
+        self._constants: Dict[Tuple, Tuple[torch.Tensor, ...]] = {}
 
-    def _constants_on(self, ratio: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """Return the signed edges, bounds, dual clip and fingerprint on the ratio's device.
+    def _constants_on(self, ratio: torch.Tensor, advantages: torch.Tensor):
+        """Return the signed edges, bounds and dual clip on the ratio's device, in float64.
 
-        All float64. The bounds are rounded to the ratio's dtype first: ``torch.clamp`` compares
-        a ratio with a bound in the ratio's own dtype, so in bfloat16 the bound 1.2 is 1.203125,
-        and a ratio of 1.203125 still carries gradient. Kept per device and dtype, since a copy
-        per call from host memory would wait on the device.
+        Each is rounded as the loss compares it: ``torch.clamp`` compares a ratio with a bound
+        in the ratio's own dtype (in bfloat16 the bound 1.2 is 1.203125, and a ratio of
+        1.203125 still carries gradient), while the dual clip ``-A * C`` is computed in the
+        dtype of ``A * r``. Kept per device and dtypes: a copy per call from host memory would
+        wait on the device.
         """
-        key = (str(ratio.device), ratio.dtype)
+        dual_dtype = torch.result_type(advantages, ratio)
+        key = (str(ratio.device), ratio.dtype, dual_dtype)
         if key not in self._constants:
-            bounds = self.lower + self.upper + [self.clip_ratio_c or math.inf]
-            rounded = torch.tensor(bounds, dtype=torch.float64).to(ratio.dtype).double()
-            lower, upper, dual = rounded.split([len(self.lower), len(self.upper), 1])
+            bounds = torch.tensor(self.lower + self.upper, dtype=torch.float64)
+            lower, upper = bounds.to(ratio.dtype).double().split([len(self.lower), len(self.upper)])
+            dual = torch.tensor([self.clip_ratio_c or math.inf], dtype=torch.float64)
+            dual = dual.to(dual_dtype).double()
             signed = torch.cat([-lower.flip(0), torch.zeros(1, dtype=torch.float64), upper])
-            pair = torch.tensor([self.fingerprint, self.fingerprint**2], dtype=torch.float64)
-            parts = (signed, lower, upper, dual, pair)
+            parts = (signed, lower, upper, dual)
             self._constants[key] = tuple(t.to(ratio.device) for t in parts)
         return self._constants[key]
 
@@ -140,76 +148,82 @@ class BoundSearch:
         advantages: torch.Tensor,
         mask: torch.Tensor,
         finite: torch.Tensor,
+        weight: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """[fingerprint, its square, non-finite count | P per upper | N per lower], float64.
+        """[0, non-finite count | P per upper candidate | N per lower candidate], float64.
 
-        ``ratio`` is detached; ``finite`` marks tokens whose inputs are all finite. A token
-        weighs ``|A| * mask``, as in the loss's aggregation; masked and non-finite tokens weigh
-        0 (filled, not multiplied, so NaN cannot leak in). Nothing here waits on the device.
+        ``ratio`` is detached; ``finite`` marks tokens whose inputs are all finite. A live
+        token (``mask != 0``) weighs ``|A|`` times ``weight``, by default its mask value (any
+        non-bool mask weighs its token, as the loss's aggregation does); masked and non-finite
+        tokens weigh 0 (filled, not multiplied, so NaN cannot leak in). Nothing here waits on
+        the device.
 
         Each token falls in one bin of a signed axis, ``x = copysign(r, A)`` cut at
         ``[-b-, ..., -a-, 0, a+, ..., b+]`` (a token with A = 0 weighs 0 on either side). A
         negative token's bin counts the lower candidates above its ratio, a positive one's
         (after the 0) the upper candidates below it; a ratio on a bound counts as unclipped,
-        since ``torch.clamp`` passes its gradient there. Two weighted histograms, and prefix
-        sums over them, give every candidate.
+        since ``torch.clamp`` passes its gradient there. Two weighted histograms give every
+        candidate's sums: prefix sums for the tokens a candidate leaves unclipped and suffix
+        sums for those it clips, so each sum adds only that candidate's own tokens (a total
+        minus a prefix would let one huge token cancel the small ones).
         """
-        signed, lower, upper, dual, fingerprint = self._constants_on(ratio)
+        signed, lower, upper, dual = self._constants_on(ratio, advantages)
         live = (mask != 0).reshape(-1)
         dropped = ~(live & finite.reshape(-1))
         adv = advantages.detach().reshape(-1)
+        if weight is None and mask.dtype != torch.bool:
+            weight = mask
         # Our own float64 copies, never the caller's tensors, worked on in place. The ratio stays
         # inside (0, e^20]: in half precision it can underflow to 0 (which would file a positive
         # token with the negative ones) or overflow to inf.
         r = ratio.detach().reshape(-1).to(torch.float64, copy=True)
         r.clamp_(TINY, math.exp(LOG_RATIO_CLAMP)).masked_fill_(dropped, 1.0)
-        weight = adv.to(torch.float64, copy=True).abs_().masked_fill_(dropped, 0.0)
-        if mask.is_floating_point():  # a fractional mask weighs its token, as in the loss
-            weight.mul_(mask.reshape(-1))
+        w = adv.to(torch.float64, copy=True).abs_()
+        if weight is not None:
+            w.mul_(weight.detach().reshape(-1))
+        w.masked_fill_(dropped, 0.0)
         bins = torch.bucketize(torch.copysign(r, adv), signed)  # edges below x; A = 0 weighs 0
         share = None
         if self.contribution == "gradient" and self.clip_ratio_c is not None:
             # Past the dual clip A < 0 has no gradient; on it, torch.min splits it in half.
             share = torch.where(r > dual, 0.0, torch.where(r == dual, 0.5, 1.0))
             share.masked_fill_(adv > 0, 1.0)
-        weight_r = r.mul_(weight)  # |A| r, in the ratio's buffer
+        weight_r = r.mul_(w)  # |A| r, in the ratio's buffer
         if share is not None:
             weight_r.mul_(share)
         lanes = LANES if bins.is_cuda else 1
-        hist_r, hist_w = histograms(bins, [weight_r, weight], len(signed) + 1, lanes)
+        hist_r, hist_w = histograms(bins, [weight_r, w], len(signed) + 1, lanes)
 
-        # Prefix sums per side. A > 0, bin k: k upper candidates below r; tokens with
-        # r <= c_high keep A r, and under Eq. 8 the others count at c_high. A < 0, flipped so
-        # that bin k holds k lower candidates <= r: those with r >= c_low keep |A| r, and under
-        # Eq. 8 the others count at c_low.
+        # A > 0, bin k holds ratios with k upper candidates below them: candidate j keeps A r
+        # of bins <= j and, under Eq. 8, counts the tokens of bins > j at c_high. A < 0,
+        # flipped so that bin k holds ratios with k lower candidates <= r: candidate i keeps
+        # |A| r of bins > i and counts those of bins <= i at c_low.
         n_low = len(self.lower)
-        pos_r, pos_w = (h[n_low + 1 :].cumsum(0) for h in (hist_r, hist_w))
-        neg_r, neg_w = (h[: n_low + 1].flip(0).cumsum(0) for h in (hist_r, hist_w))
-        positive, clipped = pos_r[:-1], pos_w[-1] - pos_w[:-1]
-        negative, floored = neg_r[-1] - neg_r[:-1], neg_w[:-1]
+        pos_r, pos_w = hist_r[n_low + 1 :], hist_w[n_low + 1 :]
+        neg_r, neg_w = hist_r[: n_low + 1].flip(0), hist_w[: n_low + 1].flip(0)
+        positive, negative = pos_r.cumsum(0)[:-1], _suffix_sums(neg_r)[1:]
         if self.contribution == "surrogate":
-            positive, negative = positive + upper * clipped, negative + lower * floored
-        nonfinite = (live & dropped).sum(dtype=torch.float64).reshape(1)
-        return torch.cat([fingerprint, nonfinite, positive, negative])
+            positive = positive + upper * _suffix_sums(pos_w)[1:]
+            negative = negative + lower * neg_w.cumsum(0)[:-1]
+        nonfinite = (live & dropped).sum(dtype=torch.float64)
+        return torch.cat(
+            [torch.stack([torch.zeros_like(nonfinite), nonfinite]), positive, negative]
+        )
+
+    def failure_sums(self, device) -> torch.Tensor:
+        """What a rank whose inputs failed sends instead, so that its peers fail with it."""
+        sums = torch.zeros(self.length, dtype=torch.float64, device=device)
+        sums[FAILED] = 1.0
+        return sums
 
     def parts(self, sums):
         """(P per upper candidate, N per lower candidate, non-finite count) of a sums vector."""
         n_up = len(self.upper)
-        return sums[HEADER : HEADER + n_up], sums[HEADER + n_up :], sums[2]
+        return sums[HEADER : HEADER + n_up], sums[HEADER + n_up :], sums[NONFINITE]
 
-    def decide(self, sums: torch.Tensor, ranks: int = 1) -> SearchResult:
-        """Walk the candidate path on sums over ``ranks`` ranks: one host transfer.
-
-        Raises ``RuntimeError`` when the reduced fingerprint shows that the ranks' settings
-        differ: their sums would not describe one search.
-        """
-        values = sums.tolist()
-        if values[0] != ranks * self.fingerprint or values[1] != ranks * self.fingerprint**2:
-            raise RuntimeError(
-                "BAPO: the policy loss settings (candidate grids, positive_contribution_target, "
-                "search_order, contribution or clip_ratio_c) differ between the ranks of the "
-                "dp_group; every data-parallel rank must use the same policy_loss_fn_args"
-            )
+    def decide(self, sums) -> SearchResult:
+        """Walk the candidate path on the (reduced) sums, a tensor (one host transfer) or list."""
+        values = sums.tolist() if isinstance(sums, torch.Tensor) else sums
         positive, negative, nonfinite = self.parts(values)
 
         def rho(i: int, j: int) -> float:
