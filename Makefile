@@ -8,7 +8,7 @@ DEMO_ARGS ?=
 BENCH_ARGS ?=
 EXPERIMENT_ARGS ?=
 
-.PHONY: setup test lint pr demo bench experiment unpatch clean
+.PHONY: setup test lint pr demo bench experiment dp-check unpatch clean
 
 # Installing the pins is slow, so it is stamped. Applying the patch series and copying our
 # modules into trinity-rft is a cheap hash check and runs every time, so an edit under trinity/
@@ -34,17 +34,24 @@ lint: $(DEPS_STAMP)
 
 # dist/trinity-rft-bapo.patch: everything above as one patch against a Trinity-RFT 0.6.0 checkout.
 pr: setup
-	$(PYTHON) scripts/pr/make_patch.py
+	$(PYTHON) -m scripts.make_pr
 
 demo: setup
-	$(PYTHON) scripts/bapo_demo.py $(DEMO_ARGS)
+	$(PYTHON) -m scripts.demo $(DEMO_ARGS)
 
 bench: setup
-	$(PYTHON) scripts/bapo_bench.py $(BENCH_ARGS)
+	$(PYTHON) -m scripts.bench $(BENCH_ARGS)
 
-# Multi-seed study of BAPO against fixed clipping on stale data (about 10 minutes on 2 cores).
+# Multi-seed study of BAPO against fixed clipping on stale data (EXPERIMENT_ARGS=--task cover).
 experiment: setup
-	$(PYTHON) scripts/bapo_experiment.py $(EXPERIMENT_ARGS)
+	$(PYTHON) -m scripts.experiment $(EXPERIMENT_ARGS)
+
+# Every rank's clip pair per call, and whether the group agrees (DP_ARGS=--no-sync or --group 0,1).
+RANKS ?= 3
+DP_ARGS ?=
+dp-check: setup
+	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$(RANKS) \
+		-m scripts.harness.dp_worker by-hand $(DP_ARGS)
 
 # Restores the installed trinity-rft to its released files.
 unpatch:

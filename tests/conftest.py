@@ -1,14 +1,10 @@
-"""Make the oracle (tests/bapo_reference.py) importable; refuse to test a stale install."""
+"""Refuse to test a stale install (the tests and the harness import through pyproject.toml)."""
 
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-_TESTS_DIR = str(Path(__file__).resolve().parent)
-if _TESTS_DIR not in sys.path:
-    sys.path.insert(0, _TESTS_DIR)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

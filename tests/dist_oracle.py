@@ -1,6 +1,5 @@
-"""What the distributed tests share: launching torchrun, and the union oracle.
+"""What the distributed and engine tests share: the union oracle.
 
-``torchrun`` starts a worker under a timeout and kills its whole process group if it hangs.
 The union oracle is the literal transcription in ``bapo_reference`` run on the concatenated
 token lists of several ranks: what one process would decide on their union. The per-token
 loss is written here from the README's formula, so nothing expected comes from the code under
@@ -8,61 +7,11 @@ test. Used by tests/test_bapo_distributed.py and by the engine tests.
 """
 
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import torch
 
 import bapo_reference as ref
-from dist_workers import bapo_dist_common as common
-
-REPO = Path(__file__).resolve().parents[1]
-LAUNCH_TIMEOUT_S = 150  # a launch takes 10-30 s here; beyond this something hangs
-
-
-def torchrun(nproc, argv, timeout_s=LAUNCH_TIMEOUT_S):
-    """Run ``torchrun --standalone`` (free rendezvous port, picked by torchrun itself).
-
-    Returns (returncode or None on timeout, stdout, stderr, seconds). On timeout the whole
-    process group this call started is killed, so no worker outlives the test.
-    """
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        *map(str, argv),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    started = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        text=True,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        code = None
-    return code, out, err, time.monotonic() - started
-
-
-def tail(text, lines=60):
-    """Return the last ``lines`` lines of ``text``."""
-    return "\n".join(text.strip().splitlines()[-lines:])
-
+import dist_checks as common
 
 _ORACLE_CACHE: dict = {}
 

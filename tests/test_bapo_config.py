@@ -14,7 +14,7 @@ import yaml
 
 from trinity.algorithm import ALGORITHM_TYPE, POLICY_LOSS_FN
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
-from trinity.common.config import load_config
+from trinity.common.config import Config, load_config
 from trinity.common.config_validator import (
     AlgorithmConfigValidator,
     BufferConfigValidator,
@@ -43,6 +43,7 @@ PROJECT_CHOICES = {
     "loss_agg_mode": "token-mean",
     "sync_across_dp": True,
 }
+DEFAULTS = {**PAPER_SEC_5_1, **PROJECT_CHOICES}
 # The preset: GRPO advantages, no critic, no KL, no entropy term.
 PRESET = {
     "advantage_fn": "grpo",
@@ -51,10 +52,11 @@ PRESET = {
     "kl_penalty_fn": "none",
     "entropy_loss_fn": "none",
 }
+AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 # BufferConfigValidator imports trinity.buffer, which imports sqlalchemy.ext.asyncio; with
-# SQLAlchemy >= 2.1 that needs `greenlet`, which trinity-rft 0.6.0 does not declare. It is
-# run by its own test below, skipped (with this reason) where greenlet is missing.
+# SQLAlchemy >= 2.1 that needs `greenlet`, which trinity-rft 0.6.0 does not declare. The full
+# check runs it, skipped (with this reason) where greenlet is missing.
 OFFLINE_VALIDATORS = [v for v in validators if not isinstance(v, BufferConfigValidator)]
 
 
@@ -68,21 +70,24 @@ def job_dirs(tmp_path, monkeypatch):
     return tmp_path
 
 
-def written_loss_args() -> dict:
-    """policy_loss_fn_args exactly as the example file spells them (plain YAML, not Trinity)."""
-    return yaml.safe_load(EXAMPLE.read_text())["algorithm"]["policy_loss_fn_args"]
+def example() -> dict:
+    """The example file as plain YAML, not through Trinity."""
+    return yaml.safe_load(EXAMPLE.read_text())
 
 
-def resolved_loss_args() -> dict:
-    """The written args, plus the example's algorithm.loss_agg_mode copied in for the loss."""
-    return {**written_loss_args(), "loss_agg_mode": "token-mean"}
-
-
-def load_and_validate(path, selected=None):
+def load_and_validate(path: Path, selected=None) -> Config:
+    """Load a config file with Trinity's loader, then run the validators (default: offline)."""
     config = load_config(str(path))
     for validator in selected if selected is not None else OFFLINE_VALIDATORS:
         validator.validate(config)
     return config
+
+
+def minimal(tmp_path: Path, **algorithm) -> Config:
+    """A config file of `algorithm_type: bapo` and these algorithm fields, loaded and validated."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"algorithm": {"algorithm_type": "bapo", **algorithm}}))
+    return load_and_validate(path, [AlgorithmConfigValidator()])
 
 
 def built_loss(config) -> BAPOPolicyLossFn:
@@ -91,84 +96,65 @@ def built_loss(config) -> BAPOPolicyLossFn:
     return POLICY_LOSS_FN.get(algorithm.policy_loss_fn)(**algorithm.policy_loss_fn_args)
 
 
-def assert_preset(algorithm):
-    for key, value in PRESET.items():
-        assert getattr(algorithm, key) == value, key
+def assert_preset(algorithm) -> None:
+    """Assert the algorithm config carries the BAPO preset."""
+    assert {key: getattr(algorithm, key) for key in PRESET} == PRESET
 
 
-# --- registration and preset -------------------------------------------------------------------
-
-
-def test_bapo_is_registered():
+def test_bapo_is_registered_with_its_preset():
     assert POLICY_LOSS_FN.get("bapo") is BAPOPolicyLossFn
-
-
-def test_bapo_algorithm_preset():
     algorithm = ALGORITHM_TYPE.get("bapo")
     assert algorithm is not None
     assert algorithm.use_critic is False
     assert algorithm.use_reference is False
     preset = algorithm.default_config()
-    for key, value in PRESET.items():
-        assert preset[key] == value, key
+    assert {key: preset[key] for key in PRESET} == PRESET
 
 
-# --- defaults ----------------------------------------------------------------------------------
+def test_default_args_and_constructor_defaults_are_the_papers():
+    """default_args() and the constructor's defaults are both the paper's settings.
 
-
-def test_default_args_are_the_papers():
-    assert BAPOPolicyLossFn.default_args() == {**PAPER_SEC_5_1, **PROJECT_CHOICES}
+    Trinity fills in default_args() only when policy_loss_fn_args is absent; a partial dict
+    (say, only sync_across_dp) gets the constructor's defaults for the rest, so the two must
+    agree for a partial config to still mean the paper's settings.
+    """
+    assert BAPOPolicyLossFn.default_args() == DEFAULTS
+    parameters = inspect.signature(BAPOPolicyLossFn.__init__).parameters
+    skip = ("self", "backend")
+    assert {name: p.default for name, p in parameters.items() if name not in skip} == DEFAULTS
     loss = BAPOPolicyLossFn(**BAPOPolicyLossFn.default_args())
     assert loss.sync_across_dp is True
     assert loss.clip_ratio_c == 3.0
     assert loss.loss_agg_mode == "token-mean"
 
 
-def test_constructor_defaults_match_default_args():
-    """Constructor defaults and default_args() agree.
-
-    Trinity fills in default_args() only when policy_loss_fn_args is absent; a partial dict
-    (say, only sync_across_dp) gets the constructor's defaults for the rest, so the two must
-    agree for a partial config to still mean the paper's settings.
-    """
-    parameters = inspect.signature(BAPOPolicyLossFn.__init__).parameters
-    defaults = {
-        name: p.default for name, p in parameters.items() if name not in ("self", "backend")
-    }
-    assert defaults == {**PAPER_SEC_5_1, **PROJECT_CHOICES}
-
-
-# --- the example config ------------------------------------------------------------------------
-
-
 def test_example_writes_the_papers_values():
     """The file itself, read as plain YAML: every search argument spelled out, paper values."""
-    written = written_loss_args()
-    expected = {**PAPER_SEC_5_1, **PROJECT_CHOICES}
     # loss_agg_mode is set at algorithm level: Trinity overwrites the policy-loss copy with it
-    del expected["loss_agg_mode"]
-    assert written == expected
-    assert yaml.safe_load(EXAMPLE.read_text())["algorithm"]["loss_agg_mode"] == "token-mean"
+    expected = {key: value for key, value in DEFAULTS.items() if key != "loss_agg_mode"}
+    assert example()["algorithm"]["policy_loss_fn_args"] == expected
+    assert example()["algorithm"]["loss_agg_mode"] == "token-mean"
 
 
-def test_example_resolves_to_bapo_with_the_written_args(job_dirs):
-    config = load_and_validate(EXAMPLE)
+def assert_resolves_to_bapo_with_the_written_args(config: Config) -> None:
+    """Assert the example resolved to the BAPO preset and its written loss args, token-mean."""
     assert config.algorithm.algorithm_type == "bapo"
     assert_preset(config.algorithm)
-    assert config.algorithm.policy_loss_fn_args == resolved_loss_args()
+    written = example()["algorithm"]["policy_loss_fn_args"]
+    assert config.algorithm.policy_loss_fn_args == {**written, "loss_agg_mode": "token-mean"}
     assert config.algorithm.loss_agg_mode == "token-mean"
-    assert config.checkpoint_job_dir.startswith(str(job_dirs / "checkpoints"))
-
-    loss = built_loss(config)
-    assert type(loss) is BAPOPolicyLossFn
-    assert loss.sync_across_dp is True and loss.clip_ratio_c == 3.0
 
 
-def test_example_builds_the_trainers_loss(job_dirs):
+def test_example_resolves_to_bapo_and_builds_the_trainers_loss(job_dirs):
     """What the verl engine worker builds: BAPO alone, no KL loss, no entropy term."""
     from trinity.trainer.verl.losses import TrinityPolicyLoss
 
     config = load_and_validate(EXAMPLE)
+    assert_resolves_to_bapo_with_the_written_args(config)
+    assert config.checkpoint_job_dir.startswith(str(job_dirs / "checkpoints"))
+    loss = built_loss(config)
+    assert type(loss) is BAPOPolicyLossFn
+    assert loss.sync_across_dp is True and loss.clip_ratio_c == 3.0
     engine_loss = TrinityPolicyLoss(config.algorithm)
     assert type(engine_loss.policy_loss_fn) is BAPOPolicyLossFn
     assert engine_loss.use_kl_loss is False
@@ -179,97 +165,49 @@ def test_example_passes_the_full_check(job_dirs):
     """Config.check_and_update(), buffer validation included, where trinity.buffer imports."""
     pytest.importorskip("greenlet", reason="trinity.buffer needs greenlet with SQLAlchemy >= 2.1")
     config = load_config(str(EXAMPLE)).check_and_update()
-    assert_preset(config.algorithm)
-    assert config.algorithm.policy_loss_fn_args == resolved_loss_args()
+    assert_resolves_to_bapo_with_the_written_args(config)
     assert config.buffer.explorer_input.tasksets[0].repeat_times == 8
 
 
-# --- minimal configs ---------------------------------------------------------------------------
+# Where loss_agg_mode is written: (key dropped from the example's algorithm, section written in)
+PLACES = {
+    "at-algorithm-level": (None, "algorithm"),  # where the README says, next to the written args
+    "only-among-loss-args": ("loss_agg_mode", "policy_loss_fn_args"),
+    "at-algorithm-level-with-no-loss-args": ("policy_loss_fn_args", "algorithm"),  # BAPO's defaults
+}
 
 
-def _yaml(tmp_path, text: str) -> Path:
-    path = tmp_path / "config.yaml"
-    path.write_text(text)
-    return path
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("dropped, section", PLACES.values(), ids=PLACES.keys())
+def test_loss_agg_mode_reaches_bapo_and_the_trainer(job_dirs, dropped, section, mode):
+    written = example()
+    algorithm = written["algorithm"]
+    algorithm.pop(dropped, None)
+    (algorithm if section == "algorithm" else algorithm[section])["loss_agg_mode"] = mode
+    (job_dirs / "config.yaml").write_text(yaml.safe_dump(written))
+    config = load_and_validate(job_dirs / "config.yaml")
+    assert config.algorithm.loss_agg_mode == mode
+    assert built_loss(config).loss_agg_mode == mode
 
 
 def test_algorithm_type_alone_resolves_to_defaults(tmp_path):
-    path = _yaml(tmp_path, "algorithm:\n  algorithm_type: bapo\n")
-    config = load_and_validate(path, [AlgorithmConfigValidator()])
+    config = minimal(tmp_path)
     assert_preset(config.algorithm)
-    assert config.algorithm.policy_loss_fn_args == BAPOPolicyLossFn.default_args()
-    assert config.algorithm.policy_loss_fn_args == {**PAPER_SEC_5_1, **PROJECT_CHOICES}
+    assert config.algorithm.policy_loss_fn_args == BAPOPolicyLossFn.default_args() == DEFAULTS
     assert type(built_loss(config)) is BAPOPolicyLossFn
 
 
 def test_sync_flag_reaches_the_loss(tmp_path):
-    path = _yaml(
-        tmp_path,
-        "algorithm:\n"
-        "  algorithm_type: bapo\n"
-        "  policy_loss_fn_args:\n"
-        "    sync_across_dp: false\n",
-    )
-    config = load_and_validate(path, [AlgorithmConfigValidator()])
-    assert config.algorithm.policy_loss_fn_args == {
-        "sync_across_dp": False,
-        "loss_agg_mode": "token-mean",
-    }
+    written = {"sync_across_dp": False}
+    config = minimal(tmp_path, policy_loss_fn_args=written)
+    assert config.algorithm.policy_loss_fn_args == {**written, "loss_agg_mode": "token-mean"}
     loss = built_loss(config)
     assert loss.sync_across_dp is False
     assert loss.clip_ratio_c == 3.0  # the rest keeps the defaults
 
 
-AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-
-
-def _example_with(tmp_path, change) -> Path:
-    """The GSM8K example with ``change(algorithm_dict)`` applied, written next to the test."""
-    config = yaml.safe_load(EXAMPLE.read_text())
-    change(config["algorithm"])
-    return _yaml(tmp_path, yaml.safe_dump(config))
-
-
-@pytest.mark.parametrize("mode", AGG_MODES)
-def test_algorithm_loss_agg_mode_reaches_bapo(job_dirs, mode):
-    """Set where the README says, at algorithm level, next to the example's written args."""
-    path = _example_with(job_dirs, lambda algorithm: algorithm.update(loss_agg_mode=mode))
-    config = load_and_validate(path)
-    assert config.algorithm.loss_agg_mode == mode
-    assert built_loss(config).loss_agg_mode == mode
-
-
-@pytest.mark.parametrize("mode", AGG_MODES)
-def test_loss_agg_mode_in_loss_args_reaches_the_trainer_too(job_dirs, mode):
-    """Written only among policy_loss_fn_args: the loss and the trainer use the same mode."""
-
-    def change(algorithm):
-        del algorithm["loss_agg_mode"]
-        algorithm["policy_loss_fn_args"]["loss_agg_mode"] = mode
-
-    config = load_and_validate(_example_with(job_dirs, change))
-    assert config.algorithm.loss_agg_mode == mode
-    assert built_loss(config).loss_agg_mode == mode
-
-
-def test_loss_agg_mode_with_no_loss_args(tmp_path):
-    path = _yaml(
-        tmp_path,
-        "algorithm:\n  algorithm_type: bapo\n  loss_agg_mode: seq-mean-token-sum\n",
-    )
-    config = load_and_validate(path, [AlgorithmConfigValidator()])
-    assert built_loss(config).loss_agg_mode == "seq-mean-token-sum"
-
-
 def test_bad_search_argument_fails_when_the_loss_is_built(tmp_path):
     """A typo in the example's keys must not be silently ignored."""
-    path = _yaml(
-        tmp_path,
-        "algorithm:\n"
-        "  algorithm_type: bapo\n"
-        "  policy_loss_fn_args:\n"
-        "    positive_contribution_traget: 0.5\n",
-    )
-    config = load_and_validate(path, [AlgorithmConfigValidator()])
+    config = minimal(tmp_path, policy_loss_fn_args={"positive_contribution_traget": 0.5})
     with pytest.raises(TypeError):
         built_loss(config)

@@ -6,8 +6,8 @@ would take on the union of the ranks' tokens. The oracle here is the literal tra
 recomputed in this process from a loss written from the README's formula, so nothing expected
 comes from the code under test.
 
-One torchrun launch per world size (2, 3, 4) runs every check in
-``dist_workers/bapo_checks.py``; each rank writes JSON, and each test below reads one check,
+One torchrun launch per world size (2, 3, 4) runs every check of the harness's DP worker
+(``scripts.harness.dp_worker checks``); each rank writes JSON, and each test below reads one check,
 so a failure names its check, world size, case, config and rank. A check that raised, or that
 a crashed or timed-out launch never reached, fails its tests with the traceback and the
 workers' stderr; ``test_launch_ends_cleanly`` fails on any unclean exit.
@@ -15,31 +15,27 @@ workers' stderr; ``test_launch_ends_cleanly`` fails on any unclean exit.
 nccl variants are collected too and skipped unless the machine has a GPU per rank.
 """
 
-import json
 import math
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 import torch
 
 import bapo_reference as ref
+import dist_checks as common
 from dist_oracle import (
-    REPO,
     compare_to_union,
     got_choice,
     locals_differ,
     oracle,
     reference_token_loss,
-    tail,
     tokens_of,
-    torchrun,
     union_tokens,
 )
-from dist_workers import bapo_dist_common as common
+from scripts.harness.launch import REPO, rank_records, tail, torchrun
 
-WORKER = Path(__file__).resolve().parent / "dist_workers" / "bapo_checks.py"
-DP_CHECK_SCRIPT = REPO / "scripts" / "bapo_dp_check.py"
+WORKER = "scripts.harness.dp_worker"
+LAUNCH_TIMEOUT_S = 150  # a launch takes 10-30 s here; beyond this something hangs
 
 BASE_CHECKS = [
     "group_none",
@@ -103,21 +99,12 @@ class Launches:
         if key not in self.done:
             out = self.tmp_root / f"w{world}_{backend}"
             out.mkdir()
-            argv = [
-                WORKER,
-                "--out",
-                out,
-                "--backend",
-                backend,
-                "--checks",
-                ",".join(CHECKS_BY_WORLD[world]),
-            ]
-            code, _, err, seconds = torchrun(world, argv)
-            records = []
-            for rank in range(world):
-                path = out / f"rank{rank}.json"
-                records.append(json.loads(path.read_text()) if path.exists() else None)
-            self.done[key] = (code, err, seconds, records)
+            argv = ["checks", "--out", out, "--backend", backend]
+            argv += ["--checks", ",".join(CHECKS_BY_WORLD[world])]
+            code, _, err, seconds = torchrun(
+                world, WORKER, argv, LAUNCH_TIMEOUT_S, path=REPO / "tests"
+            )
+            self.done[key] = (code, err, seconds, rank_records(out, world))
         return self.done[key]
 
     def check(self, world, backend, name):
@@ -501,14 +488,17 @@ def test_gradient_without_sync_differs(launches, world, backend, name):
 # --------------------------------------------------------------------------- by-hand script
 
 
-def test_dp_check_script_two_ranks():
-    """scripts/bapo_dp_check.py with 2 ranks and 2 calls: exits 0 and reports agreement.
+def test_by_hand_check_two_ranks():
+    """The DP worker's by-hand mode with 2 ranks and 2 calls: exits 0 and reports agreement.
 
-    With seed 3 the two ranks alone choose different pairs on both calls (seen by running the
-    script with the all-reduce removed: 'agree: NO' and exit code 1), so this can fail.
+    Rank 0 and 1 alone choose different pairs on the "mixed" case (test_cases_discriminate_...
+    shows it for the paper's config), so agreement on every call needs the all-reduce; with
+    ``--no-sync`` the same run reports disagreement.
     """
-    code, out, err, seconds = torchrun(2, [DP_CHECK_SCRIPT, "--calls", "2", "--seed", "3"])
-    assert code == 0, f"exit {code} after {seconds:.0f} s\n{tail(out)}\n{tail(err)}"
-    calls = [line for line in out.splitlines() if line.startswith("call ")]
-    assert len(calls) == 2, out
-    assert all(line.rstrip().endswith("agree: yes") for line in calls), out
+    lines = {}
+    for flags in ([], ["--no-sync"]):
+        code, out, err, seconds = torchrun(2, WORKER, ["by-hand", "--calls", "2", *flags], 150)
+        assert code == 0, f"exit {code} after {seconds:.0f} s\n{tail(out)}\n{tail(err)}"
+        lines[bool(flags)] = [line for line in out.splitlines() if line.startswith("call ")]
+    assert len(lines[False]) == 2 and all(line.endswith("agree: yes") for line in lines[False])
+    assert any(line.endswith("agree: NO") for line in lines[True]), lines[True]

@@ -1,37 +1,23 @@
-"""Faults: configurations, inputs and precisions where BAPO must fail clearly or stay exact.
+"""Faults: first-call memory, far bounds and tiny grid gaps, non-finite values at any token.
 
 Each test covers a class of input, not one value: far-away points and tiny gaps for memory,
-every input tensor and every non-finite value for masked tokens, several fractional masks and
-several half-precision types. Expected values come from Trinity's ``PPOPolicyLossFn``, from
-autograd on the per-token loss written here, or from Eq. 8 written here, never from the code
-under test.
+every input tensor and every non-finite value for masked tokens. Expected values come from
+Trinity's ``PPOPolicyLossFn`` or from the same call on clean inputs, never from the code under
+test.
 """
 
+import json
 import math
 import subprocess
 import sys
 import textwrap
-from decimal import Decimal
 
-import numpy as np
 import pytest
 import torch
 
+from bapo_inputs import BOTH, PAPER_MAX, PAPER_START, PAPER_STEPS, batch, call, chosen, mask_values
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 from trinity.algorithm.policy_loss_fn.ppo_policy_loss import PPOPolicyLossFn
-
-
-def _call(fn, logprob, old, mask, adv):
-    return fn(logprob=logprob, old_logprob=old, action_mask=mask, advantages=adv)
-
-
-def _batch(seed, n=4096, spread=0.5, dtype=torch.float32, adv_dtype=None):
-    gen = torch.Generator().manual_seed(seed)
-    old = -torch.rand(n, generator=gen) * 3 - 0.1
-    logprob = old + spread * torch.randn(n, generator=gen)
-    adv = torch.randn(n, generator=gen)
-    return logprob.to(dtype), old.to(dtype), adv.to(adv_dtype or dtype)
-
 
 # --------------------------------------------------------------------------- memory
 
@@ -79,8 +65,6 @@ _MEMORY_PROBE = textwrap.dedent("""
 
 def test_first_call_memory_is_tokens_plus_candidates():
     """65,536 float32 tokens: a few token-sized float64 buffers, whatever the grid's gaps."""
-    import json
-
     proc = subprocess.run(
         [sys.executable, "-c", _MEMORY_PROBE, json.dumps(FAR_AND_TINY)],
         capture_output=True,
@@ -95,104 +79,65 @@ def test_first_call_memory_is_tokens_plus_candidates():
 @pytest.mark.parametrize("kwargs", FAR_AND_TINY, ids=lambda kw: ",".join(map(str, kw.values())))
 def test_far_points_and_tiny_gaps_clip_where_configured(kwargs):
     """Use the chosen pair in the loss: finite, and PPO's value at that pair."""
-    logprob, old, adv = _batch(1)
-    mask = torch.ones_like(logprob)
-    loss, m = _call(BAPOPolicyLossFn(**kwargs), logprob, old, mask, adv)
-    low, high = m["bapo_clip_low"], m["bapo_clip_high"]
+    logprob, old, mask, adv = batch((4096,), seed=1)
+    loss, m = call(BAPOPolicyLossFn(**kwargs), logprob, old, mask, adv)
+    low, high = chosen(m)
     ppo = PPOPolicyLossFn(clip_range_low=1 - low, clip_range_high=high - 1, clip_ratio_c=3.0)
-    ppo_loss, _ = _call(ppo, logprob, old, mask, adv)
+    ppo_loss, _ = call(ppo, logprob, old, mask, adv)
     assert torch.isfinite(loss) and loss.item() == pytest.approx(ppo_loss.item(), rel=1e-6)
 
 
-# --------------------------------------------------------------------------- absurd configs
-
-ULP_ABOVE_06 = math.nextafter(0.6, 1.0)
-ULP_ABOVE_12 = math.nextafter(1.2, 2.0)
+# --------------------------------------------------------------------------- non-finite values
 
 
-@pytest.mark.parametrize(
-    "kwargs, name",
-    [
-        (dict(ratio_lower_start=1e-310), "ratio_lower_start"),  # subnormal
-        (dict(ratio_lower_start=5e-324), "ratio_lower_start"),
-        (dict(ratio_lower_start=1e-40, ratio_lower_max=1e-40), "ratio_lower_start"),
-        (dict(ratio_upper_start=1e300, ratio_upper_max=1e300), "ratio_upper_start"),
-        (dict(ratio_upper_max=1e300), "ratio_upper_max"),
-        (dict(ratio_upper_max=3.5e38), "ratio_upper_max"),  # past the largest float32
-        (dict(ratio_lower_max=ULP_ABOVE_06, ratio_lower_step=1e-17), "ratio_lower_step"),
-        (dict(ratio_upper_max=ULP_ABOVE_12, ratio_upper_step=1e-18), "ratio_upper_step"),
-        (dict(ratio_lower_max=0.6 + 4e-16, ratio_lower_step=3e-17), "ratio_lower_step"),
-        (dict(ratio_upper_step=1e-300), "ratio_upper_step"),
-    ],
-)
-def test_absurd_configs_raise_value_error_naming_the_argument(kwargs, name):
-    with pytest.raises(ValueError) as info:
-        BAPOPolicyLossFn(**kwargs)
-    assert f"`{name}`" in str(info.value), str(info.value)
+@pytest.mark.parametrize("order, contribution", BOTH)
+def test_nonfinite_live_tokens_are_counted_and_keep_start_bounds(order, contribution):
+    logprob, old, mask, adv = batch((4, 24), spread=0.01)
+    adv = -adv.abs() - 0.1  # all negative: finite, this batch would search to (0.9, 3.0)
+    logprob[0, 0] = math.nan
+    logprob[1, 2] = math.inf
+    old[2, 3] = -math.inf
+    adv[3, 4] = math.nan
+    logprob[3, 4] = math.nan  # same token as above: counted once
+    mask[3, 5] = math.nan  # a NaN mask value leaves its token live (NaN != 0)
+    fn = BAPOPolicyLossFn(search_order=order, contribution=contribution)
+    _, m = call(fn, logprob, old, mask, adv)
+    assert m["bapo_nonfinite_tokens"] == 5
+    assert chosen(m) == PAPER_START and m["bapo_search_steps"] == 0
 
 
 @pytest.mark.parametrize(
-    "convert",
-    [
-        np.float64,
-        np.float32,
-        np.float16,
-        lambda x: torch.tensor(x).item(),
-        lambda x: torch.tensor(x, dtype=torch.float64),  # a 0-d tensor
-        lambda x: Decimal(repr(x)),
-    ],
+    "fields",
+    [("logprob",), ("old_logprob",), ("advantages",), ("logprob", "old_logprob", "advantages")],
+    ids=["logprob", "old_logprob", "advantages", "all"],
 )
-def test_any_real_number_is_accepted_and_converted(convert):
-    """Numpy scalars, 0-d tensors and Decimals configure the loss as their float values do."""
-    values = dict(
-        ratio_lower_start=0.6,
-        ratio_lower_max=0.9,
-        ratio_lower_step=0.02,
-        ratio_upper_start=1.2,
-        ratio_upper_max=3.0,
-        ratio_upper_step=0.05,
-        positive_contribution_target=0.45,
-        clip_ratio_c=3.0,
-    )
-    converted = BAPOPolicyLossFn(**{k: convert(v) for k, v in values.items()})
-    plain = BAPOPolicyLossFn(**{k: float(convert(v)) for k, v in values.items()})
-    assert converted.search.lower == plain.search.lower
-    assert converted.search.upper == plain.search.upper
-    logprob, old, adv = _batch(2)
-    mask = torch.ones_like(logprob)
-    assert _call(converted, logprob, old, mask, adv)[1] == _call(plain, logprob, old, mask, adv)[1]
-    assert BAPOPolicyLossFn(ratio_upper_start=np.int64(1), ratio_upper_max=np.int32(2))
-
-
-@pytest.mark.parametrize("flag", [np.bool_(True), np.bool_(False)])
-def test_numpy_booleans_set_the_sync_flag(flag):
-    assert BAPOPolicyLossFn(sync_across_dp=flag).sync.enabled is bool(flag)
-
-
-# --------------------------------------------------------------------------- masked tokens
-
-
-@pytest.mark.parametrize("field", ["logprob", "old_logprob", "advantages"])
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("contribution", ["surrogate", "gradient"])
-@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize(
+    "order, loss_agg_mode",
+    [
+        ("upper_first", "token-mean"),
+        ("lower_first", "token-mean"),
+        ("upper_first", "seq-mean-token-mean"),
+    ],
+)
 def test_masked_nonfinite_values_touch_neither_loss_nor_gradient(
-    field, bad, contribution, loss_agg_mode
+    fields, bad, contribution, order, loss_agg_mode
 ):
-    gen = torch.Generator().manual_seed(3)
-    old = -torch.rand(4, 16, generator=gen) * 3 - 0.1
-    batch = {
-        "logprob": old + 0.5 * torch.randn(4, 16, generator=gen),
-        "old_logprob": old,
-        "advantages": torch.randn(4, 16, generator=gen),
-    }
-    mask = (torch.rand(4, 16, generator=gen) < 0.7).float()
-    mask[:, 0] = 1
-    fn = BAPOPolicyLossFn(contribution=contribution, loss_agg_mode=loss_agg_mode)
+    """Target 1 is never met: the search must still run to the end of the grid."""
+    logprob, old, _, adv = batch((4, 16), seed=3)
+    mask = (mask_values("mixed", adv.shape, seed=3) > 0).float()
+    fn = BAPOPolicyLossFn(
+        positive_contribution_target=1.0,
+        search_order=order,
+        contribution=contribution,
+        loss_agg_mode=loss_agg_mode,
+    )
     results = []
     for filler in (0.0, bad):
-        tensors = {k: v.clone() for k, v in batch.items()}
-        tensors[field] = torch.where(mask.bool(), tensors[field], filler)
+        tensors = {"logprob": logprob.clone(), "old_logprob": old, "advantages": adv}
+        for field in fields:
+            tensors[field] = torch.where(mask.bool(), tensors[field], filler)
         tensors["logprob"].requires_grad_(True)
         loss, m = fn(action_mask=mask, **tensors)
         loss.backward()
@@ -201,139 +146,4 @@ def test_masked_nonfinite_values_touch_neither_loss_nor_gradient(
     assert torch.equal(loss, clean_loss) and torch.equal(grad, clean_grad)
     assert (grad[mask == 0] == 0).all() and (grad[mask == 1] != 0).any()
     assert m == clean_m and m["bapo_nonfinite_tokens"] == 0
-
-
-# --------------------------------------------------------------------------- fractional masks
-
-
-def _fractional_mask(seed, kind):
-    gen = torch.Generator().manual_seed(seed)
-    if kind == "uniform_half":
-        return torch.full((4096,), 0.5)
-    if kind == "uniform_tenth":
-        return torch.full((4096,), 0.1)
-    mask = torch.rand(4096, generator=gen)
-    return torch.where(mask < 0.2, 0.0, mask)  # mixed weights, some tokens out
-
-
-@pytest.mark.parametrize("kind", ["uniform_half", "uniform_tenth", "mixed"])
-def test_fractional_mask_clip_fractions_equal_ppo(kind):
-    logprob, old, adv = _batch(4)
-    mask = _fractional_mask(4, kind)
-    ppo = PPOPolicyLossFn(clip_range_low=0.2, clip_range_high=0.28, clip_ratio_c=3.0)
-    bapo = BAPOPolicyLossFn(
-        ratio_lower_start=0.8, ratio_lower_max=0.8, ratio_upper_start=1.28, ratio_upper_max=1.28
-    )
-    (ppo_loss, ppo_m), (loss, m) = (_call(f, logprob, old, mask, adv) for f in (ppo, bapo))
-    assert loss.item() == pytest.approx(ppo_loss.item(), rel=1e-6)
-    for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-        assert m[key] == pytest.approx(ppo_m[key], rel=1e-6, abs=1e-9), key
-    assert 0 < m["pg_clipfrac"] < 1
-
-
-@pytest.mark.parametrize("kind", ["uniform_half", "mixed"])
-@pytest.mark.parametrize("contribution", ["surrogate", "gradient"])
-def test_fractional_mask_weighs_tokens_as_the_loss_does(kind, contribution):
-    """Weigh each token by its mask in rho.
-
-    rho at a pair: Eq. 8 with each token weighted by its mask, or the share of autograd's
-    gradient of the mask-weighted token sum.
-    """
-    logprob, old, adv = (t.double() for t in _batch(5))
-    mask = _fractional_mask(5, kind).double()
-    low, high = 0.8, 1.3
-    lp = logprob.clone().requires_grad_(True)
-    ratio = torch.exp(lp - old)
-    if contribution == "surrogate":
-        r = ratio.detach()
-        pos = (mask * adv * torch.clamp(r, max=high))[adv > 0].sum()
-        neg = (mask * -adv * torch.clamp(r, min=low))[adv < 0].sum()
-    else:
-        per_token = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, low, high))
-        per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * 3.0), per_token)
-        (grad,) = torch.autograd.grad((per_token * mask).sum(), lp)
-        pos, neg = grad.abs()[adv > 0].sum(), grad.abs()[adv < 0].sum()
-    fn = BAPOPolicyLossFn(
-        ratio_lower_start=low,
-        ratio_lower_max=low,
-        ratio_upper_start=high,
-        ratio_upper_max=high,
-        contribution=contribution,
-    )
-    _, m = _call(fn, logprob, old, mask, adv)
-    assert m["bapo_positive_contribution"] == pytest.approx(float(pos / (pos + neg)), rel=1e-12)
-
-
-# --------------------------------------------------------------------------- precisions
-
-
-def _autograd_shares(logprob, old, adv, low, high, clip_ratio_c):
-    """Return the share of each token's full gradient that autograd gives it, and |A| r.
-
-    The share (1, 1/2 or 0) of |A| r comes from autograd in the inputs' own precision, with
-    PPO's expressions; |A| r is in float64.
-    """
-    lp = logprob.clone().requires_grad_(True)
-    ratio = torch.exp(torch.clamp(lp - old, -20.0, 20.0))
-    per_token = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, low, high))
-    per_token = torch.where(adv < 0, torch.min(-adv * clip_ratio_c, per_token), per_token)
-    (grad,) = torch.autograd.grad(per_token.sum(), lp)
-    full = (adv * ratio.detach()).abs()
-    share = torch.where(full == 0, 0.0, (grad.abs() / full).double())
-    return torch.round(share * 2) / 2, (adv.double() * ratio.detach().double()).abs()
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("pair", [(0.6, 1.2), (0.8, 1.28), (0.9, 3.0), (0.75, 1.5)])
-def test_gradient_contribution_matches_autograd_in_every_precision(dtype, pair):
-    """Count ratios that round exactly onto a bound, as autograd does.
-
-    In low precision, ratios often land exactly on a bound, where the inclusive clamp keeps
-    their gradient. Advantages in float32, as GRPO computes them.
-    """
-    low, high = pair
-    logprob, old, adv = _batch(6, n=20000, spread=0.4, dtype=dtype, adv_dtype=torch.float32)
-    share, full = _autograd_shares(logprob, old, adv, low, high, 3.0)
-    ratio = torch.exp(torch.clamp(logprob - old, -20.0, 20.0))
-    on_high = (ratio == torch.tensor(high, dtype=dtype)) & (adv > 0)
-    on_low = (ratio == torch.tensor(low, dtype=dtype)) & (adv < 0)
-    assert dtype == torch.float32 or (on_high | on_low).sum() >= 3  # what the search missed
-    pos, neg = (share * full)[adv > 0].sum(), (share * full)[adv < 0].sum()
-    fn = BAPOPolicyLossFn(
-        ratio_lower_start=low,
-        ratio_lower_max=low,
-        ratio_upper_start=high,
-        ratio_upper_max=high,
-        contribution="gradient",
-    )
-    _, m = _call(fn, logprob, old, torch.ones_like(logprob), adv)
-    assert m["bapo_positive_contribution"] == pytest.approx(float(pos / (pos + neg)), rel=1e-9)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gradient_contribution_with_half_precision_advantages(dtype):
-    """Differ from autograd only on rare product ties.
-
-    With the advantages in 16 bits too, the products A r and A c can round to one value though
-    r and c differ; autograd then splits the gradient of such a token in half. That is the only
-    difference left, and it is rare.
-    """
-    logprob, old, adv = _batch(7, n=20000, spread=0.4, dtype=dtype)
-    share, full = _autograd_shares(logprob, old, adv, 0.6, 1.2, 3.0)
-    ratio = torch.exp(torch.clamp(logprob - old, -20.0, 20.0)).double()
-    bounds = [torch.tensor(b, dtype=dtype).double() for b in (0.6, 1.2, 3.0)]
-    product_ties = (share == 0.5) & ~((ratio == bounds[0]) | (ratio == bounds[1]))
-    product_ties &= ratio != bounds[2]
-    assert product_ties.sum() < 10  # rare: under 1 in 2,000 tokens
-    pos, neg = (share * full)[adv > 0].sum(), (share * full)[adv < 0].sum()
-    fn = BAPOPolicyLossFn(
-        ratio_lower_start=0.6,
-        ratio_lower_max=0.6,
-        ratio_upper_start=1.2,
-        ratio_upper_max=1.2,
-        contribution="gradient",
-    )
-    _, m = _call(fn, logprob, old, torch.ones_like(logprob), adv)
-    slack = float((full * product_ties).sum() / (pos + neg))
-    want = float(pos / (pos + neg))
-    assert abs(m["bapo_positive_contribution"] - want) <= slack + 1e-9 * want
+    assert chosen(m) == PAPER_MAX and m["bapo_search_steps"] == PAPER_STEPS

@@ -4,8 +4,8 @@
   same number of steps and report the same rho as the literal transcription in
   ``bapo_reference`` (Algorithm 1 for ``upper_first``, the authors' loops for ``lower_first``).
 - The paper grid: exact end points and step count, and the float trap it avoids.
-- ``contribution="gradient"``: the per-candidate sums equal |dL/dlogp| from autograd on a
-  per-token loss written here from the README's formula, not taken from the code under test.
+- The histogram behind every candidate's sums, against a plain loop. The sums themselves (Eq. 8
+  and autograd's |dL/dlogp|) are checked in ``test_bapo_gradient_share``.
 """
 
 import math
@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import bapo_reference as ref
+from bapo_inputs import RANGE_ARGS, batch, call, point
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
-from trinity.algorithm.policy_loss_fn.bapo_search import BoundSearch, candidate_grid, histograms
+from trinity.algorithm.policy_loss_fn.bapo_search import candidate_grid, histograms
 
 ORACLES = {"upper_first": ref.algorithm1, "lower_first": ref.authors_order}
 LOWER_STEPS = (0.01, 0.02, 0.025, 0.03, 0.04, 0.05, 0.07, 0.1, 0.15, 0.2)
@@ -119,18 +120,13 @@ def _run_case(rng, gen, order, contribution):
     )
 
     fn = BAPOPolicyLossFn(
-        ratio_lower_start=lo[0],
-        ratio_lower_max=lo[1],
-        ratio_lower_step=lo[2],
-        ratio_upper_start=hi[0],
-        ratio_upper_max=hi[1],
-        ratio_upper_step=hi[2],
+        **dict(zip(RANGE_ARGS, lo + hi)),
         positive_contribution_target=target,
         search_order=order,
         contribution=contribution,
         clip_ratio_c=clip_ratio_c,
     )
-    _, m = fn(logprob=logprob, old_logprob=old, action_mask=mask, advantages=adv)
+    _, m = call(fn, logprob, old, mask, adv)
     got = dict(
         clip_low=m["bapo_clip_low"],
         clip_high=m["bapo_clip_high"],
@@ -199,20 +195,15 @@ def test_search_matches_literal_transcription(order, contribution):
 # --------------------------------------------------------------------------- paper grid
 
 
-def test_naive_float_loop_misses_the_last_lower_bound():
-    """The motivating trap: stepping a float by 0.02 from 0.6 stops short of 0.9."""
-    c = 0.6
+def test_candidate_grid_is_exact_never_overshoots_and_caps_only_when_asked():
+    c = 0.6  # the motivating trap: stepping a float by 0.02 from 0.6 stops short of 0.9
     while c + 0.02 <= 0.9:
         c += 0.02
     assert c < 0.89  # 0.8800000000000002: the naive loop never reaches 0.9
     grid = candidate_grid(0.6, 0.9, 0.02, cap_at_max=False)
     assert grid[-1] == 0.9 and len(grid) == 16
     assert grid == [float(Decimal("0.6") + k * Decimal("0.02")) for k in range(16)]
-    # Capping adds nothing when the maximum is on the grid.
-    assert candidate_grid(0.6, 0.9, 0.02, cap_at_max=True) == grid
-
-
-def test_candidate_grid_never_overshoots_and_caps_only_when_asked():
+    assert candidate_grid(0.6, 0.9, 0.02, cap_at_max=True) == grid  # the maximum is on it
     assert candidate_grid(0.6, 0.9, 0.07, cap_at_max=False) == [0.6, 0.67, 0.74, 0.81, 0.88]
     assert candidate_grid(0.6, 0.9, 0.07, cap_at_max=True) == [0.6, 0.67, 0.74, 0.81, 0.88, 0.9]
     assert candidate_grid(1.2, 3.0, 0.05, cap_at_max=False)[-1] == 3.0
@@ -220,115 +211,36 @@ def test_candidate_grid_never_overshoots_and_caps_only_when_asked():
     assert candidate_grid(0.8, 0.8, 0.05, cap_at_max=True) == [0.8]
 
 
-def _hopeless_batch():
-    """Negative tokens dominate: rho stays far below 0.4 on the whole grid."""
-    gen = torch.Generator().manual_seed(7)
-    old = -torch.rand(4, 32, generator=gen) - 0.5
-    logprob = old + 0.05 * torch.randn(4, 32, generator=gen)
-    adv = -torch.rand(4, 32, generator=gen) - 0.5
-    adv[0, 0] = 0.01  # one small positive token: rho > 0 but tiny
-    return logprob, old, torch.ones(4, 32), adv
-
-
 @pytest.mark.parametrize("order", ["upper_first", "lower_first"])
 @pytest.mark.parametrize("contribution", ["surrogate", "gradient"])
-def test_paper_grid_reaches_exact_maxima_in_51_steps(order, contribution):
-    logprob, old, mask, adv = _hopeless_batch()
-    fn = BAPOPolicyLossFn(search_order=order, contribution=contribution)  # paper Sec. 5.1 grid
-    _, m = fn(logprob=logprob, old_logprob=old, action_mask=mask, advantages=adv)
+@pytest.mark.parametrize(
+    "advantages, target, rho_below",
+    [("all_negative", 0.4, 0.0), ("one_small_positive", 0.4, 0.4), ("mixed_signs", 1.0, 1.0)],
+)
+def test_paper_grid_reaches_exact_maxima_in_51_steps(
+    order, contribution, advantages, target, rho_below
+):
+    """All advantages negative (rho 0), all but one small one, or target 1 with mixed signs."""
+    logprob, old, mask, adv = batch((4, 32), seed=7, spread=0.01)
+    # Ratios in (0.95, 1.05): every negative token carries weight under both definitions.
+    assert ((logprob - old).exp() - 1).abs().max() < 0.05
+    if advantages != "mixed_signs":
+        adv = -adv.abs() - 0.1
+    if advantages == "one_small_positive":
+        adv[0, 0] = 0.01
+    fn = BAPOPolicyLossFn(  # the paper's Sec. 5.1 grid
+        positive_contribution_target=target, search_order=order, contribution=contribution
+    )
+    _, m = call(fn, logprob, old, mask, adv)
     assert m["bapo_clip_low"] == 0.9  # exactly, not 0.88 or 0.8999...
     assert m["bapo_clip_high"] == 3.0
     assert m["bapo_search_steps"] == 36 + 15 == 51
     assert m["bapo_target_met"] == 0.0
-    assert 0.0 < m["bapo_positive_contribution"] < 0.4
+    rho = m["bapo_positive_contribution"]
+    assert (rho == 0.0) if rho_below == 0.0 else (0.0 < rho < rho_below)
 
 
-# --------------------------------------------------------------------------- gradient sums
-
-
-def _per_token_loss(ratio, adv, c_low, c_high, clip_ratio_c):
-    """L_t as the README writes it: -min(r A, clip(r) A), dual clip min(L, -A C) for A < 0."""
-    loss = -torch.minimum(ratio * adv, torch.clamp(ratio, c_low, c_high) * adv)
-    if clip_ratio_c is not None:
-        loss = torch.where(adv < 0, torch.minimum(loss, -adv * clip_ratio_c), loss)
-    return loss
-
-
-def _autograd_contributions(logprob, old, mask, adv, c_low, c_high, clip_ratio_c):
-    """(P, N): |dL_t/dlogp_t| summed over unmasked tokens with A > 0 and with A < 0."""
-    lp = logprob.clone().requires_grad_(True)
-    ratio = torch.exp(lp - old)
-    loss = _per_token_loss(ratio, adv, c_low, c_high, clip_ratio_c)
-    (grad,) = torch.autograd.grad(loss.sum(), lp)
-    weight = grad.abs() * mask
-    return float(weight[adv > 0].sum()), float(weight[adv < 0].sum())
-
-
-@pytest.mark.parametrize("clip_ratio_c", [3.0, 1.7, None])
-def test_gradient_contribution_equals_autograd(clip_ratio_c):
-    gen = torch.Generator().manual_seed(11)
-    shape = (6, 40)
-    old = -torch.rand(shape, generator=gen, dtype=torch.float64) * 3 - 0.1
-    logprob = old + 0.8 * torch.randn(shape, generator=gen, dtype=torch.float64)
-    adv = torch.randn(shape, generator=gen, dtype=torch.float64)
-    mask = (torch.rand(shape, generator=gen) < 0.8).double()
-    lower, upper = [0.5, 0.6, 0.75, 0.9, 1.0], [1.0, 1.2, 1.6, 2.5, 3.0, 4.0]
-
-    ratio = torch.exp(logprob - old)
-    edges = torch.tensor(lower + upper + [clip_ratio_c or 1.0], dtype=torch.float64)
-    assert (ratio.reshape(-1, 1) - edges).abs().min() > 1e-9  # no exact ties with any bound
-    assert (adv != 0).all()
-    assert ratio.max() > 4.0 and ratio.min() < 0.5  # every candidate splits the tokens
-
-    search = BoundSearch(lower, upper, 0.4, "upper_first", "gradient", clip_ratio_c)
-    sums = search.local_sums(ratio, adv, mask.bool(), torch.ones(shape, dtype=torch.bool))
-    positive, negative, nonfinite = search.parts(sums)
-    assert nonfinite == 0
-    for i, c_low in enumerate(lower):
-        for j, c_high in enumerate(upper):
-            p, n = _autograd_contributions(logprob, old, mask, adv, c_low, c_high, clip_ratio_c)
-            assert positive[j].item() == pytest.approx(p, rel=1e-10), (c_low, c_high)
-            assert negative[i].item() == pytest.approx(n, rel=1e-10), (c_low, c_high)
-
-
-def test_surrogate_contribution_equals_eq8():
-    """The printed Eq. 8: P = sum A min(r, c_high) over A > 0, N = sum |A| max(r, c_low).
-
-    Written again here with tensor ops, on purpose: a second oracle, independent of
-    bapo_reference's token loop, for each candidate's sum rather than the decision.
-    """
-    gen = torch.Generator().manual_seed(12)
-    shape = (5, 30)
-    ratio = torch.exp(0.7 * torch.randn(shape, generator=gen, dtype=torch.float64))
-    adv = torch.randn(shape, generator=gen, dtype=torch.float64)
-    mask = torch.rand(shape, generator=gen) < 0.7
-    lower, upper = [0.6, 0.8, 1.0], [1.0, 1.3, 2.0, 3.0]
-    search = BoundSearch(lower, upper, 0.4, "lower_first", "surrogate", 3.0)
-    sums = search.local_sums(ratio, adv, mask, torch.ones(shape, dtype=torch.bool))
-    live_pos, live_neg = mask & (adv > 0), mask & (adv < 0)
-    positive, negative, nonfinite = search.parts(sums)
-    for j, c_high in enumerate(upper):
-        p = (adv * torch.clamp(ratio, max=c_high))[live_pos].sum().item()
-        assert positive[j].item() == pytest.approx(p, rel=1e-12)
-    for i, c_low in enumerate(lower):
-        n = (-adv * torch.clamp(ratio, min=c_low))[live_neg].sum().item()
-        assert negative[i].item() == pytest.approx(n, rel=1e-12)
-    assert math.isclose(nonfinite.item(), 0.0)
-
-
-def test_local_sums_leave_float64_inputs_untouched():
-    """Leave the caller's float64 tensors as they were.
-
-    The loss still needs its ratio after the search; no step of the search may write into it.
-    """
-    gen = torch.Generator().manual_seed(7)
-    ratio = torch.rand(4, 32, generator=gen, dtype=torch.float64) + 0.5
-    adv = torch.randn(4, 32, generator=gen, dtype=torch.float64)
-    mask = torch.rand(4, 32, generator=gen) > 0.3
-    ratio_before, adv_before = ratio.clone(), adv.clone()
-    fn = BAPOPolicyLossFn(contribution="gradient")
-    fn.search.local_sums(ratio, adv, mask, torch.ones_like(mask))
-    assert torch.equal(ratio, ratio_before) and torch.equal(adv, adv_before)
+# --------------------------------------------------------------------------- precision and sums
 
 
 def test_half_precision_ratio_that_underflows_stays_on_its_side():
@@ -341,14 +253,11 @@ def test_half_precision_ratio_that_underflows_stays_on_its_side():
     old = torch.full_like(logprob, -1.0)
     adv = torch.tensor([[1.0, -1.0, -0.2]])
     mask = torch.ones_like(logprob, dtype=torch.bool)
-    fn = BAPOPolicyLossFn(
-        ratio_lower_start=0.6, ratio_lower_max=0.6, ratio_upper_start=1.2, ratio_upper_max=1.2
-    )
     tokens = ref.token_lists(logprob.double(), old.double(), mask, adv.double())
     want = ref.rho(tokens, 0.6, 1.2, "surrogate")
     half = [t.half() for t in (logprob, old, adv)]
     assert torch.exp(half[0] - half[1])[0, 1] == 0  # the case really underflows
-    _, metrics = fn(logprob=half[0], old_logprob=half[1], action_mask=mask, advantages=half[2])
+    _, metrics = call(BAPOPolicyLossFn(**point(0.6, 1.2)), half[0], half[1], mask, half[2])
     assert metrics["bapo_positive_contribution"] == pytest.approx(want, rel=1e-3)
 
 

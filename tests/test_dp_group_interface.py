@@ -325,47 +325,24 @@ def test_same_result_with_kl_loss(name, dp_group):
 # --- the group reaches the losses that ask for it, and only those ------------------------------
 
 
-class GroupRecordingLoss(PolicyLossFn):
-    """Declares dp_group as a runtime key; records what it receives."""
+def recording_loss(runtime_keys=()):
+    """A policy loss declaring ``runtime_keys``; it records the keyword arguments it receives.
 
-    _runtime_keys = {"dp_group"}
+    Its ``__call__`` takes the data and ``**kwargs``, so only the class's ``_runtime_keys``
+    decide what else reaches it; each call returns a plain PPO-like loss.
+    """
 
-    def __init__(self, backend: str = "verl"):
-        """Record calls in a list."""
-        super().__init__(backend=backend)
-        self.calls: List[Dict] = []
-
-    def __call__(self, logprob, old_logprob, action_mask, advantages, dp_group=None, **kwargs):
-        """Record the keyword arguments other than the data."""
-        self.calls.append({"dp_group": dp_group, "kwargs": dict(kwargs)})
-        ratio = torch.exp(logprob - old_logprob)
-        loss = -(ratio * advantages * action_mask).sum() / action_mask.sum()
-        return loss, {"recorded": 1.0}
-
-    @classmethod
-    def default_args(cls):
-        """Take no arguments."""
-        return {}
-
-
-class KwargsRecordingLoss(PolicyLossFn):
-    """Does not declare dp_group, but would swallow it through **kwargs if it were passed."""
-
-    def __init__(self, backend: str = "verl"):
-        """Record calls in a list."""
-        super().__init__(backend=backend)
-        self.calls: List[Dict] = []
-
-    def __call__(self, logprob, old_logprob, action_mask, advantages, **kwargs):
-        """Record the keyword arguments other than the data."""
+    def call(self, logprob, old_logprob, action_mask, advantages, **kwargs):
         self.calls.append(dict(kwargs))
         loss = -(torch.exp(logprob - old_logprob) * advantages * action_mask).sum()
-        return loss, {}
+        return loss / action_mask.sum(), {}
 
-    @classmethod
-    def default_args(cls):
-        """Take no arguments."""
-        return {}
+    def init(self, backend: str = "verl"):
+        PolicyLossFn.__init__(self, backend=backend)
+        self.calls = []
+
+    body = {"__init__": init, "__call__": call, "default_args": classmethod(lambda cls: {})}
+    return type("RecordingLoss", (PolicyLossFn,), {"_runtime_keys": set(runtime_keys), **body})()
 
 
 def engine_loss_with(policy_loss) -> TrinityPolicyLoss:
@@ -378,7 +355,7 @@ def engine_loss_with(policy_loss) -> TrinityPolicyLoss:
 
 def test_declared_dp_group_is_the_object_passed(dp_group):
     src = _source()
-    recorder = GroupRecordingLoss()
+    recorder = recording_loss({"dp_group"})
     assert recorder.select_keys == ["old_log_probs", "response_mask", "advantages"]
     engine_loss = engine_loss_with(recorder)
 
@@ -388,13 +365,18 @@ def test_declared_dp_group_is_the_object_passed(dp_group):
     assert len(recorder.calls) == 3
     assert recorder.calls[0]["dp_group"] is dp_group
     assert recorder.calls[1]["dp_group"] is dp_group
-    assert recorder.calls[2]["dp_group"] is None
-    assert all(call["kwargs"] == {} for call in recorder.calls)
+    assert recorder.calls == [{"dp_group": dp_group}] * 2 + [{"dp_group": None}]
 
 
-def test_undeclared_dp_group_is_not_passed(dp_group):
+@pytest.mark.parametrize("runtime_keys", [(), ("batch_num_tokens",)])
+def test_undeclared_dp_group_is_not_passed(dp_group, runtime_keys):
+    """A loss that does not declare dp_group never sees it; what it declares, it gets.
+
+    No runtime key is a batch field: the batch (which holds none) is read without a KeyError.
+    """
     src = _source()
-    recorder = KwargsRecordingLoss()
+    recorder = recording_loss(runtime_keys)
+    assert recorder.select_keys == ["old_log_probs", "response_mask", "advantages"]
     engine_loss = engine_loss_with(recorder)
     engine_loss(model_output(src)[0], build_batch(src, "padded"), dp_group=dp_group)
     recorder(  # and directly: the metaclass filters it, like any key the loss does not read
@@ -403,8 +385,9 @@ def test_undeclared_dp_group_is_not_passed(dp_group):
         response_mask=src["response_mask"],
         advantages=src["advantages"],
         dp_group=dp_group,
+        batch_num_tokens=7,
     )
-    assert recorder.calls == [{}, {}]
+    assert recorder.calls == [{}, {"batch_num_tokens": 7} if runtime_keys else {}]
 
 
 def test_bapo_search_reduces_over_the_passed_group(dp_group, monkeypatch):

@@ -3,7 +3,7 @@
 ``FSDPEngineWithLMHead.train_batch`` splits each rank's batch into micro-batches, runs the
 model, and calls Trinity's ``TrinityPolicyLoss`` with ``dp_group=`` the engine's own
 data-parallel group, as in a Trinity training job. The worker
-(``dist_workers/engine_checks.py``) records every call BAPO receives; here we check that
+(``tests/engine_checks.py engine``) records every call BAPO receives; here we check that
 
 - every call received the engine's group (WORLD, or with Ulysses SP the mesh's ``dp`` groups);
 - every rank of a group chose the same pair at every call, and that pair, its step count,
@@ -16,17 +16,17 @@ data-parallel group, as in a Trinity training job. The worker
 Each strategy is one ``torchrun`` launch under a timeout, shared by its tests.
 """
 
-import json
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from dist_oracle import compare_to_union, torchrun
+from dist_oracle import compare_to_union
+from scripts.harness.launch import REPO, rank_records, torchrun
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).resolve().parent / "dist_workers" / "engine_checks.py"
+TESTS = REPO / "tests"
+
 LAUNCH_TIMEOUT_S = 240  # a launch takes 10-40 s here; beyond this something hangs
 LOSSES = "trinity/trainer/verl/losses.py"
 
@@ -67,13 +67,12 @@ class EngineLaunches:
             ranks, strategy, sp, phases = LAUNCHES[name]
             out = self.root / name
             out.mkdir()
-            argv = [WORKER, "--out", out, "--strategy", strategy, "--sp", sp, "--phases", phases]
+            argv = ["engine", "--out", out, "--strategy", strategy, "--sp", sp]
+            argv += ["--phases", phases]
             if "released" in phases:
                 argv += ["--released-losses", released_losses(out)]
-            code, _, err, seconds = torchrun(ranks, argv, timeout_s=LAUNCH_TIMEOUT_S)
-            paths = [out / f"rank{rank}.json" for rank in range(ranks)]
-            records = [json.loads(p.read_text()) if p.exists() else None for p in paths]
-            self.done[name] = (code, err, seconds, records)
+            launch = torchrun(ranks, "engine_checks", argv, LAUNCH_TIMEOUT_S, path=TESTS)
+            self.done[name] = (launch.code, launch.err, launch.seconds, rank_records(out, ranks))
         code, err, seconds, records = self.done[name]
         problems = [f"rank {r}: no result" for r, rec in enumerate(records) if rec is None]
         problems += [

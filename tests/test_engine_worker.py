@@ -1,6 +1,6 @@
 """From a Trinity YAML file to BAPO's decision, through Trinity's actor worker (CPU, gloo).
 
-The worker (``dist_workers/engine_worker_checks.py``) loads the YAML below with Trinity's
+The worker (``tests/engine_checks.py worker``) loads the YAML below with Trinity's
 ``load_config``, builds verl's config with ``build_verl_config``, starts
 ``TrinityActorRolloutRefWorker`` on 2 ranks (verl's ``TrainingWorker`` and FSDP2 engine inside),
 lets ``set_trinity_config`` install ``TrinityPolicyLoss`` and runs one ``update_actor``; only the
@@ -13,14 +13,12 @@ the engine's group and both ranks pick the same pair at every call; with it off 
 the same data; the ``actor/bapo_*`` metrics come back from ``update_actor``.
 """
 
-import json
-from pathlib import Path
-
 import pytest
 
-from dist_oracle import torchrun
+from scripts.harness.launch import REPO, rank_records, torchrun
 
-WORKER = Path(__file__).resolve().parent / "dist_workers" / "engine_worker_checks.py"
+TESTS = REPO / "tests"
+
 LAUNCH_TIMEOUT_S = 300  # a launch takes 30-60 s here; beyond this something hangs
 RANKS = 2
 BAPO_METRICS = (
@@ -86,13 +84,9 @@ def runs(tmp_path_factory):
         root = tmp_path_factory.mktemp(f"sync_{sync}")
         path = root / "config.yaml"
         path.write_text(CONFIG.format(root=root, sync=str(sync).lower(), ranks=RANKS))
-        code, _, err, seconds = torchrun(
-            RANKS, [WORKER, "--out", root, "--config", path], timeout_s=LAUNCH_TIMEOUT_S
-        )
-        records = [
-            json.loads(p.read_text()) if p.exists() else None
-            for p in (root / f"rank{r}.json" for r in range(RANKS))
-        ]
+        argv = ["worker", "--out", root, "--config", path]
+        code, _, err, seconds = torchrun(RANKS, "engine_checks", argv, LAUNCH_TIMEOUT_S, path=TESTS)
+        records = rank_records(root, RANKS)
         problems = [
             f"rank {r}: " + (rec["error"] if rec else "no result")
             for r, rec in enumerate(records)

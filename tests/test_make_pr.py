@@ -69,7 +69,7 @@ def touched_by(names) -> set[str]:
 def written(tmp_path_factory) -> Path:
     """The folder `make pr` wrote both patches into (downloading the sdist if need be)."""
     output = tmp_path_factory.mktemp("pr")
-    done = run(sys.executable, REPO / "scripts" / "pr" / "make_patch.py", output, cwd=REPO)
+    done = run(sys.executable, "-m", "scripts.make_pr", output, cwd=REPO)
     if done.returncode != 0 and "cannot download" in done.stderr:
         pytest.skip(f"the trinity-rft 0.6.0 source distribution cannot be had:\n{done.stderr}")
     assert done.returncode == 0, done.stderr

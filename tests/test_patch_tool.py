@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from subprocess import CompletedProcess
 
 import pytest
 
@@ -38,15 +39,16 @@ def series() -> list[str]:
     return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
 
 
-def touched_by(*names: str) -> list[str]:
-    """Site-relative paths the named patches change, read directly from their headers."""
-    lines = "".join((PATCHES / name).read_text() for name in names).splitlines()
+def touched(*names: str) -> list[str]:
+    """Site-relative paths the named patches (by default the whole series) change, from headers."""
+    lines = "".join((PATCHES / name).read_text() for name in names or series()).splitlines()
     return sorted({line[6:].split()[0] for line in lines if line.startswith("+++ b/")})
 
 
-def touched() -> list[str]:
-    """Site-relative paths the whole series changes."""
-    return touched_by(*series())
+def gnu_patch(site: Path, name: str, *flags: str) -> None:
+    """Apply one patch (reverse it, with ``-R``) with GNU patch alone, not the tool under test."""
+    cmd = ["patch", "-p1", "-s", *flags, "-d", str(site), "-i", str(PATCHES / name)]
+    subprocess.run(cmd, check=True, timeout=60)
 
 
 def released_record() -> dict[str, str]:
@@ -75,17 +77,34 @@ def snapshot(site: Path, with_times: bool = True) -> dict[str, tuple]:
     return state
 
 
-def tool(*args: str | Path) -> subprocess.CompletedProcess:
-    """Run the CLI the way the Makefile does, in a fresh interpreter."""
-    return subprocess.run(
-        [sys.executable, str(TOOL), *map(str, args)], capture_output=True, text=True, timeout=60
-    )
+def tool(command: str, site: Path, *args: str | Path, status: int = 0) -> CompletedProcess:
+    """Run the CLI on `site` the way the Makefile does, in a fresh interpreter; require `status`."""
+    argv = [sys.executable, str(TOOL), command, "--site", *map(str, (site, *args))]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert result.returncode == status, result.stdout + result.stderr
+    return result
 
 
-def modules(overlay: Path = REPO / "trinity") -> list[str]:
+def refused(command: str, site: Path, *args: str | Path) -> str:
+    """Run the CLI, require a clean refusal (no traceback, nothing changed); return its stderr."""
+    before = snapshot(site)
+    stderr = tool(command, site, *args, status=1).stderr
+    assert "Traceback" not in stderr
+    assert snapshot(site) == before
+    return stderr
+
+
+def modules() -> list[str]:
     """Site-relative paths of our own modules."""
-    found = [p for p in overlay.rglob("*.py") if "__pycache__" not in p.parts]
-    return sorted(str(p.relative_to(overlay.parent)) for p in found)
+    found = [p for p in (REPO / "trinity").rglob("*.py") if "__pycache__" not in p.parts]
+    return sorted(str(p.relative_to(REPO)) for p in found)
+
+
+def write(path: Path, text: str) -> Path:
+    """Write `text` to `path`, creating its directories; return `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -101,8 +120,7 @@ def released(tmp_path_factory) -> Path:
             (site / rel).unlink()
     if any(sha256(site / rel) != record[rel] for rel in touched()):
         for name in reversed(series()):
-            cmd = ["patch", "-p1", "-s", "-R", "-f", "--no-backup-if-mismatch", "-d", str(site)]
-            subprocess.run([*cmd, "-i", str(PATCHES / name)], check=True, timeout=60)
+            gnu_patch(site, name, "-R", "-f", "--no-backup-if-mismatch")
     differ = [rel for rel in package_files(site) if sha256(site / rel) != record[rel]]
     assert not differ, f"cannot rebuild the released files from the installed ones: {differ}"
     return site
@@ -115,157 +133,112 @@ def site(released: Path, tmp_path: Path) -> Path:
     return tmp_path / "site"
 
 
-def test_apply_patches_files_and_installs_our_modules_as_files(site: Path) -> None:
-    record = released_record()
-    result = tool("apply", "--site", site)
-    assert result.returncode == 0, result.stderr
-    assert all(sha256(site / rel) != record[rel] for rel in touched())
-    assert "_runtime_keys" in (site / LOSS_FN).read_text()
-    assert modules(), "the repo's trinity/ tree holds no modules to install"
-    for rel in modules():
-        assert not (site / rel).is_symlink(), rel
-        assert (site / rel).read_bytes() == (REPO / rel).read_bytes(), rel
+@pytest.fixture
+def ours(tmp_path: Path) -> Path:
+    """An overlay tree of modules of the test's own, to pass as ``--overlay``."""
+    return tmp_path / "ours" / "trinity"
 
 
 def test_apply_twice_is_a_noop(site: Path) -> None:
-    assert tool("apply", "--site", site).returncode == 0
+    tool("apply", site)
     before = snapshot(site)
-    result = tool("apply", "--site", site)
-    assert result.returncode == 0, result.stderr
-    assert f"0 of {len(series())} patches applied" in result.stdout
-    assert "0 of them copied" in result.stdout
+    stdout = tool("apply", site).stdout
+    assert f"0 of {len(series())} patches applied" in stdout
+    assert "0 of them copied" in stdout
     assert snapshot(site) == before
 
 
 def test_refuses_another_trinity_version(site: Path) -> None:
     metadata = site / "trinity_rft-0.6.0.dist-info" / "METADATA"
     metadata.write_text(metadata.read_text().replace("Version: 0.6.0", "Version: 0.5.1", 1))
-    before = snapshot(site)
-    result = tool("apply", "--site", site)
-    assert result.returncode == 1
-    assert "0.5.1" in result.stderr and "0.6.0" in result.stderr
-    assert "Traceback" not in result.stderr
-    assert snapshot(site) == before
+    stderr = refused("apply", site)
+    assert "0.5.1" in stderr and "0.6.0" in stderr
 
 
 @pytest.mark.parametrize("command", ["apply", "revert"])
 def test_refuses_a_locally_modified_file(site: Path, command: str) -> None:
     with open(site / LOSSES, "a") as handle:
         handle.write("# local edit\n")
-    before = snapshot(site)
-    result = tool(command, "--site", site)
-    assert result.returncode == 1
-    assert LOSSES in result.stderr and sha256(site / LOSSES) in result.stderr
-    assert released_record()[LOSSES] in result.stderr
-    assert "Traceback" not in result.stderr
-    assert snapshot(site) == before
-
-
-def plain_patch(site: Path, name: str) -> None:
-    """Apply one patch with GNU patch alone, as if the series had grown by the others since."""
-    cmd = ["patch", "-p1", "-s", "-d", str(site), "-i", str(PATCHES / name)]
-    subprocess.run(cmd, check=True, timeout=60)
+    stderr = refused(command, site)
+    assert LOSSES in stderr and sha256(site / LOSSES) in stderr
+    assert released_record()[LOSSES] in stderr
 
 
 def test_apply_completes_a_series_that_grew(site: Path, released: Path, tmp_path: Path) -> None:
-    plain_patch(site, series()[0])
-    result = tool("apply", "--site", site)
-    assert result.returncode == 0, result.stderr
-    assert f"{len(series()) - 1} of {len(series())} patches applied" in result.stdout
+    gnu_patch(site, series()[0])  # as if the series had grown by the others since
+    stdout = tool("apply", site).stdout
+    assert f"{len(series()) - 1} of {len(series())} patches applied" in stdout
     in_one_step = tmp_path / "in_one_step"
     shutil.copytree(released, in_one_step)
-    assert tool("apply", "--site", in_one_step).returncode == 0
+    tool("apply", in_one_step)
     assert snapshot(in_one_step, with_times=False) == snapshot(site, with_times=False)
 
 
 def test_refuses_a_half_applied_patch(site: Path, released: Path) -> None:
-    with_two_files = next(name for name in series() if len(touched_by(name)) > 1)
-    plain_patch(site, with_two_files)
-    first = touched_by(with_two_files)[0]
+    with_two_files = next(name for name in series() if len(touched(name)) > 1)
+    gnu_patch(site, with_two_files)
+    first, second = touched(with_two_files)[:2]
     shutil.copyfile(released / first, site / first)
-    before = snapshot(site)
-    result = tool("apply", "--site", site)
-    assert result.returncode == 1
-    assert f"released  {first}" in result.stderr
-    assert f"patched   {touched_by(with_two_files)[1]}" in result.stderr
-    assert snapshot(site) == before
+    stderr = refused("apply", site)
+    assert f"released  {first}" in stderr
+    assert f"patched   {second}" in stderr
 
 
-def test_revert_restores_the_release_byte_for_byte(site: Path) -> None:
-    released = snapshot(site, with_times=False)
-    assert tool("apply", "--site", site).returncode == 0
-    assert snapshot(site, with_times=False) != released
-    result = tool("revert", "--site", site)
-    assert result.returncode == 0, result.stderr
-    # Same bytes everywhere and nothing left over: no modules, no record, no temporary files.
-    assert snapshot(site, with_times=False) == released
-
-
-def test_refuses_to_shadow_an_upstream_module(site: Path, tmp_path: Path) -> None:
-    shadow = tmp_path / "ours" / "trinity" / "algorithm" / "policy_loss_fn" / "ppo_policy_loss.py"
-    shadow.parent.mkdir(parents=True)
-    shadow.write_text("# would hide the upstream PPO loss\n")
-    before = snapshot(site)
-    result = tool("apply", "--site", site, "--overlay", shadow.parents[2])
-    assert result.returncode == 1
-    assert "trinity/algorithm/policy_loss_fn/ppo_policy_loss.py (blocked)" in result.stderr
+def test_refuses_to_shadow_an_upstream_module(site: Path, ours: Path) -> None:
+    write(ours / "algorithm" / "policy_loss_fn" / "ppo_policy_loss.py", "# hides PPO's loss\n")
     # The clash is found before patching, so the released files stay as they were.
-    assert snapshot(site) == before
+    stderr = refused("apply", site, "--overlay", ours)
+    assert "trinity/algorithm/policy_loss_fn/ppo_policy_loss.py (blocked)" in stderr
 
 
 def test_refuses_to_overwrite_an_installed_copy_edited_in_place(site: Path) -> None:
-    assert tool("apply", "--site", site).returncode == 0
+    tool("apply", site)
     rel = modules()[0]
     with open(site / rel, "a") as handle:
         handle.write("# edited in site-packages\n")
-    result = tool("apply", "--site", site)
-    assert result.returncode == 1
-    assert f"{rel} (modified)" in result.stderr
+    assert f"{rel} (modified)" in refused("apply", site)
     assert (site / rel).read_text().endswith("# edited in site-packages\n")
 
 
-def test_apply_recopies_changed_modules_and_drops_removed_ones(site: Path, tmp_path: Path) -> None:
-    ours = tmp_path / "ours" / "trinity"
-    old = ours / "algorithm" / "policy_loss_fn" / "bapo_old.py"
-    old.parent.mkdir(parents=True)
-    old.write_text("VALUE = 1\n")
-    assert tool("apply", "--site", site, "--overlay", ours).returncode == 0
+def test_apply_follows_overlay_changes_and_revert_removes_new_dirs(site: Path, ours: Path) -> None:
+    released = snapshot(site, with_times=False)
+    old = write(ours / "algorithm" / "policy_loss_fn" / "bapo_old.py", "VALUE = 1\n")
+    write(ours / "contrib" / "bapo_extra" / "helpers.py", "VALUE = 1\n")
     installed = site / "trinity" / "algorithm" / "policy_loss_fn"
+    extra = site / "trinity" / "contrib"
+    tool("apply", site, "--overlay", ours)
     assert (installed / "bapo_old.py").read_text() == "VALUE = 1\n"
+    assert (extra / "bapo_extra" / "helpers.py").read_text() == "VALUE = 1\n"
     old.write_text("VALUE = 2\n")
-    assert tool("apply", "--site", site, "--overlay", ours).returncode == 0
+    tool("apply", site, "--overlay", ours)
     assert (installed / "bapo_old.py").read_text() == "VALUE = 2\n"
     old.rename(old.with_name("bapo_new.py"))
-    result = tool("apply", "--site", site, "--overlay", ours)
-    assert result.returncode == 0, result.stderr
+    tool("apply", site, "--overlay", ours)
     assert not (installed / "bapo_old.py").exists()
     assert (installed / "bapo_new.py").read_text() == "VALUE = 2\n"
-
-
-def test_new_directories_are_created_and_removed(site: Path, tmp_path: Path) -> None:
-    ours = tmp_path / "ours" / "trinity"
-    module = ours / "contrib" / "bapo_extra" / "helpers.py"
-    module.parent.mkdir(parents=True)
-    module.write_text("VALUE = 1\n")
-    released = snapshot(site, with_times=False)
-    assert tool("apply", "--site", site, "--overlay", ours).returncode == 0
-    installed = site / "trinity" / "contrib" / "bapo_extra" / "helpers.py"
-    assert installed.read_text() == "VALUE = 1\n"
-    (installed.parent / "__pycache__").mkdir()  # as an import would leave behind
-    (installed.parent / "__pycache__" / "helpers.cpython-311.pyc").write_bytes(b"")
-    assert tool("revert", "--site", site, "--overlay", ours).returncode == 0
-    assert not (site / "trinity" / "contrib").exists()
+    write(extra / "bapo_extra" / "__pycache__" / "helpers.cpython-311.pyc", "")  # as imports do
+    tool("revert", site, "--overlay", ours)
+    assert not extra.exists()
     assert snapshot(site, with_times=False) == released
 
 
-def test_status_reports_files_and_modules(site: Path) -> None:
-    result = tool("status", "--site", site)
-    assert result.returncode == 1  # released, nothing installed yet
-    assert tool("apply", "--site", site).returncode == 0
-    result = tool("status", "--site", site)
-    assert result.returncode == 0, result.stdout + result.stderr
-    for rel in touched():
-        assert f"patched   {rel}" in result.stdout
+def test_apply_installs_status_reports_and_revert_restores_the_release(site: Path) -> None:
+    record = released_record()
+    released = snapshot(site, with_times=False)
+    tool("status", site, status=1)  # released, nothing installed yet
+    tool("apply", site)
+    assert all(sha256(site / rel) != record[rel] for rel in touched())
+    assert "_runtime_keys" in (site / LOSS_FN).read_text()
+    assert modules(), "the repo's trinity/ tree holds no modules to install"
     for rel in modules():
-        assert f"installed {rel}" in result.stdout
+        assert not (site / rel).is_symlink(), rel
+        assert (site / rel).read_bytes() == (REPO / rel).read_bytes(), rel
+    stdout = tool("status", site).stdout
+    for rel in touched():
+        assert f"patched   {rel}" in stdout
+    for rel in modules():
+        assert f"installed {rel}" in stdout
     assert (site / RECORD).is_file()
+    tool("revert", site)
+    # Same bytes everywhere and nothing left over: no modules, no record, no temporary files.
+    assert snapshot(site, with_times=False) == released

@@ -1,0 +1,348 @@
+"""`make bench`: BAPO's cost beside PPO, against a per-candidate search, over ranks, in memory.
+
+Every figure is a ratio against a baseline timed side by side in the same process (timers from
+``torch.utils.benchmark``, contenders interleaved, medians), printed with its target; the last
+stdout line is one JSON object. CPU part (one torch thread):
+
+* ``bapo_over_ppo_loss``: one BAPO forward over one PPO forward (64 x 1,024 tokens, paper grid,
+  a batch on which the target is never met, so the walk is the whole 51-step path);
+* ``speedup_vs_literal_loop``: the per-candidate search (one pass, one ``.item()`` per pair, as
+  the authors' code does) over ours (``local_sums`` + ``decide``);
+* ``dp_speedup_vs_per_candidate_allreduce``, ``collectives_per_call``,
+  ``all_reduce_values_per_call``: 4 gloo ranks (``scripts.harness.dp_worker bench``), the
+  per-candidate all-reduce over ours, and what one synchronised call sends;
+* ``large_grid_peak_rss_over_input``: peak resident-memory growth of one search over 2,000,000
+  tokens and 2,000 candidates, over the inputs' bytes, in a fresh process.
+
+The CUDA part (``cuda`` in the JSON, where a GPU exists): ``bapo_over_ppo_fwd`` and
+``bapo_over_ppo_fwd_bwd`` per token count, ``search_ms``, and ``step_overhead_share`` (BAPO's
+forward and backward minus PPO's, over one bf16 training step of a Qwen2-0.5B-shaped model built
+from its config). Run: python -m scripts.bench [--quick]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
+
+import torch
+import torch.utils.benchmark as benchmark
+
+from scripts.harness.cases import PAPER, PAPER_PATH_STEPS, bench_batch, search_inputs
+from scripts.harness.launch import torchrun
+
+# key: (label, target, hard limit, higher is better; None: must equal the target)
+TARGETS = {
+    "bapo_over_ppo_loss": ("BAPO / PPO loss forward", 2.0, 3.0, False),
+    "speedup_vs_literal_loop": ("literal loop / our search", 3.0, 2.0, True),
+    "dp_speedup_vs_per_candidate_allreduce": ("DP per-candidate / ours", 10.0, 5.0, True),
+    "collectives_per_call": ("collectives per synced call", 1, 1, None),
+    # the header (2) and the paper grid's 16 + 37 candidates
+    "all_reduce_values_per_call": ("values per synced all-reduce", 55, 55, None),
+    "large_grid_peak_rss_over_input": ("peak RSS growth / input", 8.0, None, False),
+}
+SIZES: Dict[str, Dict[str, Any]] = {
+    "full": dict(shape=(64, 1024), rounds=15, dp_tokens=16384, dp_repeats=15, rss_tokens=2_000_000),
+    "quick": dict(shape=(4, 256), rounds=3, dp_tokens=1024, dp_repeats=3, rss_tokens=50_000),
+}
+LARGE_GRID: Dict[str, Any] = dict(  # 1,500 upper and 500 lower candidates
+    ratio_lower_start=0.5,
+    ratio_lower_max=0.999,
+    ratio_lower_step=0.001,
+    ratio_upper_start=1.0,
+    ratio_upper_max=2.499,
+    ratio_upper_step=0.001,
+)
+QWEN2_0_5B: Dict[str, Any] = dict(  # Qwen2-0.5B's config.json, so that no weights are downloaded
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+)
+
+
+def timed(fns: Dict[str, Callable], rounds: int) -> Dict[str, float]:
+    """Median seconds per call of each function, in interleaved rounds."""
+    samples: Dict[str, list] = {name: [] for name in fns}
+    for name, fn in fns.items():  # warm-up: lazy allocations and caches
+        fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(benchmark.Timer("fn()", globals={"fn": fn}).timeit(3).median)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def surrogate_share(ratio, advantages, mask, low: float, high: float, all_reduce=None) -> float:
+    """Rho at one pair by Eq. 8, read back to the host (the per-candidate host sync)."""
+    valid = mask.to(ratio.dtype)
+    positive = (advantages * torch.clamp(ratio, max=high) * (advantages > 0) * valid).sum()
+    negative = (-advantages * torch.clamp(ratio, min=low) * (advantages < 0) * valid).sum()
+    pair = torch.stack([positive, negative]).to(torch.float64)
+    if all_reduce is not None:
+        all_reduce(pair)
+    total = pair[0] + pair[1]
+    return torch.where(total == 0, torch.ones_like(total), pair[0] / total).item()
+
+
+def literal_search(ratio, advantages, mask, grid: Dict, all_reduce=None):
+    """The baseline: Algorithm 1 with rho recomputed from the tokens at every pair it visits.
+
+    Exact rational bounds, so it visits the pairs ``BoundSearch`` visits; one pass, one host
+    sync and (with ``all_reduce``, an in-place SUM) one collective per candidate: 52 of each on
+    the paper grid when the target is never met. Returns (low, high, steps).
+    """
+    exact = {k: Fraction(repr(float(v))) for k, v in grid.items()}
+    c_low, c_high = exact["ratio_lower_start"], exact["ratio_upper_start"]
+    b_low, b_high = exact["ratio_lower_max"], exact["ratio_upper_max"]
+    d_low, d_high = exact["ratio_lower_step"], exact["ratio_upper_step"]
+    steps, target = 0, grid["positive_contribution_target"]
+    while (
+        surrogate_share(ratio, advantages, mask, float(c_low), float(c_high), all_reduce) < target
+        and c_low + d_low <= b_low
+    ):
+        if c_high + d_high <= b_high:
+            c_high += d_high
+        else:
+            c_low += d_low
+        steps += 1
+    return float(c_low), float(c_high), steps
+
+
+def losses():
+    """The two loss functions compared: BAPO's paper defaults, PPO's clip_range 0.2."""
+    from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
+    from trinity.algorithm.policy_loss_fn.ppo_policy_loss import PPOPolicyLossFn
+
+    return BAPOPolicyLossFn(**PAPER), PPOPolicyLossFn(clip_range=0.2)
+
+
+def loss_times(batch, rounds: int, backward: bool = False) -> Dict[str, float]:
+    """Seconds per BAPO and per PPO call on ``batch`` (forward, or forward and backward)."""
+    bapo, ppo = losses()
+
+    def call(fn):
+        loss = fn(**batch)[0]
+        if backward:
+            loss.backward()
+
+    return timed({"bapo": lambda: call(bapo), "ppo": lambda: call(ppo)}, rounds)
+
+
+def bench_loss(shape, rounds: int) -> Dict:
+    """The forward (and forward + backward) of BAPO over PPO's, on one micro-batch."""
+    batch = bench_batch(shape, seed=0)
+    batch["logprob"].requires_grad_(True)
+    forward, both = loss_times(batch, rounds), loss_times(batch, rounds, backward=True)
+    steps = losses()[0](**batch)[1]["bapo_search_steps"]
+    print(f"## Loss, {batch['logprob'].numel():,} tokens: ms {forward}; {steps} search steps")
+    return {
+        "ratio": forward["bapo"] / forward["ppo"],
+        "fwd_bwd_ratio": both["bapo"] / both["ppo"],
+        "steps": steps,
+        "ms": {name: seconds * 1e3 for name, seconds in forward.items()},
+    }
+
+
+def bench_search(shape, rounds: int) -> Dict:
+    """Our search against the per-candidate loop, and both on a target met mid-path."""
+    bapo, _ = losses()
+    ratio, adv, mask, finite = search_inputs(bench_batch(shape, seed=0))
+
+    def ours():
+        return bapo.search.decide(bapo.search.local_sums(ratio, adv, mask, finite))
+
+    times = timed(
+        {"literal": lambda: literal_search(ratio, adv, mask, PAPER), "ours": ours}, rounds
+    )
+    result = ours()
+    pairs = {
+        "literal": literal_search(ratio, adv, mask, PAPER),
+        "ours": (result.clip_low, result.clip_high, result.steps),
+    }
+    # A target halfway between rho at upper steps 9 and 10: both must stop at step 10.
+    rho = [surrogate_share(ratio, adv, mask, 0.6, 1.2 + 0.05 * k) for k in (9, 10)]
+    grid = dict(PAPER, positive_contribution_target=(rho[0] + rho[1]) / 2)
+    from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
+
+    search = BAPOPolicyLossFn(**grid).search
+    mid = search.decide(search.local_sums(ratio, adv, mask, finite))
+    mid_ok = literal_search(ratio, adv, mask, grid) == (mid.clip_low, mid.clip_high, 10)
+    print(f"## Search: seconds {times}; pairs {pairs}; mid-path stop at step 10: {mid_ok}")
+    return {
+        "speedup": times["literal"] / times["ours"],
+        "same_pair": pairs["literal"] == pairs["ours"] and mid_ok,
+        "pairs": pairs,
+        "mid_path": {"ok": mid_ok},
+        "ms": {name: seconds * 1e3 for name, seconds in times.items()},
+    }
+
+
+def bench_dp(tokens: int, repeats: int) -> Dict:
+    """4 gloo ranks in the harness's DP worker; its JSON comes back through a temporary file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "dp.json"
+        argv = ["bench", "--out", out, "--tokens-per-rank", tokens, "--repeats", repeats]
+        launch = torchrun(4, "scripts.harness.dp_worker", argv, timeout_s=600)
+        if launch.code != 0 or not out.exists():
+            return {"error": f"torchrun exit {launch.code}: {launch.err[-2000:]}"}
+        result = json.loads(out.read_text())
+    med = result["median_s"]
+    print(f"## Data parallel, 4 ranks x {tokens:,} tokens: seconds {med}, {result['collectives']}")
+    return result
+
+
+def rss_probe(tokens: int) -> Dict:
+    """In this (fresh) process: peak RSS growth of one large-grid search over the inputs."""
+    from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
+
+    def status_kb(field: str) -> int:
+        lines = Path("/proc/self/status").read_text().splitlines()
+        return int(next(line for line in lines if line.startswith(field + ":")).split()[1])
+
+    search = BAPOPolicyLossFn(**LARGE_GRID, positive_contribution_target=0.4).search
+    search.decide(search.local_sums(*search_inputs(bench_batch((2, 64), seed=1))))  # warm-up
+    batch = bench_batch((tokens // 1000, 1000), seed=0)
+    inputs = search_inputs(batch)
+    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts at the RSS
+    before = status_kb("VmRSS")
+    search.decide(search.local_sums(*inputs))
+    growth = (status_kb("VmHWM") - before) * 1024
+    size = sum(t.numel() * t.element_size() for t in batch.values())
+    return {"growth_bytes": growth, "input_bytes": size, "ratio": growth / size}
+
+
+def bench_rss(tokens: int) -> Dict:
+    """``rss_probe`` in a child whose glibc hands freed memory back at once (else it hides)."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="0")
+    cmd = [sys.executable, "-m", "scripts.bench", "--rss-probe", str(tokens)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    try:
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"error": done.stderr[-2000:]}
+    print(
+        f"## Peak RSS of one search, {tokens:,} tokens, 2,000 candidates: "
+        f"{result['ratio']:.2f} x input"
+    )
+    return result
+
+
+def bench_cuda(quick: bool, device: str = "cuda") -> Dict:
+    """The CUDA figures: loss ratios per token count, the search alone, the share of a step.
+
+    ``device`` "cpu" runs the same code with ``quick`` sizes, so a test can exercise it here.
+    """
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    rounds, search = (3, losses()[0].search) if quick else (15, losses()[0].search)
+    name = torch.cuda.get_device_name(0) if device == "cuda" else device
+    result: Dict = {"device": name, "bapo_over_ppo_fwd": {}, "search_ms": {}}
+    for tokens in [4096] if quick else [65_536, 8_388_608]:
+        batch = bench_batch((tokens // 1024, 1024), seed=0, device=device)
+        t = loss_times(batch, rounds)
+        result["bapo_over_ppo_fwd"][tokens] = t["bapo"] / t["ppo"]
+        inputs = search_inputs(batch)
+        walk = timed({"walk": lambda: search.decide(search.local_sums(*inputs))}, rounds)
+        result["search_ms"][tokens] = walk["walk"] * 1e3
+    tokens = 4096 if quick else 65_536
+    batch = bench_batch((tokens // 1024, 1024), seed=0, device=device)
+    batch["logprob"].requires_grad_(True)
+    both = loss_times(batch, rounds, backward=True)
+    result["bapo_over_ppo_fwd_bwd"] = {tokens: both["bapo"] / both["ppo"]}
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=256)
+    config = dict(QWEN2_0_5B, **small, num_attention_heads=2) if quick else QWEN2_0_5B
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**config), torch_dtype=torch.bfloat16)
+    model = model.to(device)
+    ids = torch.randint(0, config["vocab_size"], (2, 64) if quick else (8, 2048), device=device)
+    step = timed({"step": lambda: model(input_ids=ids, labels=ids).loss.backward()}, 3)
+    result["step_overhead_share"] = (both["bapo"] - both["ppo"]) / step["step"]
+    print(f"## CUDA ({name}): {json.dumps(result)}")
+    return result
+
+
+def verdict(key: str, value) -> str:
+    """PASS or MISS for one figure against its target and hard limit."""
+    _, target, limit, higher = TARGETS[key]
+    if value is None:
+        return "MISS (no figure)"
+    if higher is None:
+        return "PASS" if value == target else "MISS"
+    if value >= target if higher else value <= target:
+        return "PASS"
+    past = limit is not None and (value < limit if higher else value > limit)
+    return "MISS (past the hard limit)" if past else "MISS (within the hard limit)"
+
+
+def main(argv=None) -> int:
+    """Run every part and print the summary, then the JSON line."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
+    p.add_argument("--rss-probe", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.rss_probe:
+        print(json.dumps(rss_probe(args.rss_probe)))
+        return 0
+    size = SIZES["quick" if args.quick else "full"]
+    print(
+        f"# BAPO benchmark: torch {torch.__version__}, {os.cpu_count()} cores"
+        + (" (--quick)" if args.quick else "")
+    )
+    loss = bench_loss(size["shape"], size["rounds"])
+    search = bench_search(size["shape"], size["rounds"])
+    dp = bench_dp(size["dp_tokens"], size["dp_repeats"])
+    rss = bench_rss(size["rss_tokens"])
+    cuda: Optional[Dict] = bench_cuda(args.quick) if torch.cuda.is_available() else None
+    if cuda is None:
+        print("## CUDA: skipped, no CUDA device")
+    collectives = dp.get("collectives", {})
+    figures = {
+        "bapo_over_ppo_loss": loss["ratio"],
+        "speedup_vs_literal_loop": search["speedup"],
+        "dp_speedup_vs_per_candidate_allreduce": dp.get("speedup"),
+        "collectives_per_call": collectives.get("loss_synced"),
+        "all_reduce_values_per_call": collectives.get("loss_synced_values"),
+        "large_grid_peak_rss_over_input": rss.get("ratio"),
+    }
+    print("## Summary")
+    for key, value in figures.items():
+        label, target, _, _ = TARGETS[key]
+        shown = "n/a" if value is None else f"{value:.2f}"
+        print(f"   {label:32s} {shown:>8s}   target {target}   {verdict(key, value)}")
+    result = dict(
+        figures,
+        same_pair=bool(search["same_pair"] and dp.get("same_pair", False)),
+        bapo_search_steps=loss["steps"],
+        bapo_over_ppo_fwd_bwd=loss["fwd_bwd_ratio"],
+        all_targets_met=all(verdict(k, v) == "PASS" for k, v in figures.items()),
+        quick=args.quick,
+        checks={
+            "single_process": search["pairs"],
+            "mid_path": search["mid_path"],
+            "dp_same_pair": dp.get("same_pair"),
+            "dp_collectives": collectives,
+            "paper_path_steps": PAPER_PATH_STEPS,
+        },
+        ms={
+            "loss": loss["ms"],
+            "search": search["ms"],
+            "dp": {k: v * 1e3 for k, v in dp.get("median_s", {}).items()},
+        },
+        errors={k: v["error"] for k, v in (("dp", dp), ("rss", rss)) if "error" in v},
+        cuda=cuda,
+    )
+    print(json.dumps(result, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""verl 0.8's FSDP training engine on CPU (gloo): build it, lay batches out for it, read it back.
+
+``FSDPEngineWithLMHead`` is the engine Trinity's actor worker trains with. It runs unchanged on
+CPU once ``torch.distributed`` uses gloo, given eager attention (the default is
+flash-attention) and no ``torch.compile``; the parameters stay fp32 (the default mixed
+precision computes in bf16), so that its log-probs and a plain fp32 copy's agree. Each
+``engine.train_batch(batch, loss_function=...)`` does what Trinity's actor does in
+``update_actor``: split the rank's batch into micro-batches (the same count on every rank of the
+data-parallel group), forward, call the loss with ``dp_group=engine.get_data_parallel_group()``,
+backward, clip and step. ``cpu_stand_ins`` names the few things a CPU-only machine lacks.
+"""
+
+from pathlib import Path
+from typing import Dict, Optional, cast
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+
+from scripts.harness.model import position_ids_for
+
+FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+
+
+def build_engine(
+    model_dir: Path,
+    strategy: str = "fsdp2",
+    lr: float = 3e-3,
+    sp_size: int = 1,
+    micro_batch_size: int = 4,
+    seed: int = 0,
+):
+    """An initialised ``FSDPEngineWithLMHead`` with AdamW (no weight decay), clip 1.0, fp32.
+
+    ``sp_size > 1`` turns on Ulysses sequence parallelism, which verl allows only with
+    ``use_remove_padding``; the data-parallel group is then the mesh's ``dp`` dimension.
+    """
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    model_config = HFModelConfig(
+        path=str(model_dir),
+        load_tokenizer=False,
+        override_config={"attn_implementation": "eager"},
+        enable_gradient_checkpointing=False,
+        use_remove_padding=sp_size > 1,
+    )
+    engine_config = FSDPEngineConfig(
+        strategy=strategy,
+        use_torch_compile=False,
+        use_dynamic_bsz=False,
+        micro_batch_size_per_gpu=micro_batch_size,
+        mixed_precision=FP32,
+        ulysses_sequence_parallel_size=sp_size,
+        use_remove_padding=sp_size > 1,
+        seed=seed,
+    )
+    optimizer_config = FSDPOptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1.0)
+    engine = FSDPEngineWithLMHead(model_config, engine_config, optimizer_config, CheckpointConfig())
+    engine.initialize()
+    return engine
+
+
+def engine_batch(
+    data: TensorDict, micro_batch_size: int, use_remove_padding=False, calculate_entropy=False
+) -> TensorDict:
+    """Add the non-tensor fields the engine reads to a rank's no-padding batch.
+
+    With a fixed micro-batch size the engine makes ``len(data) // micro_batch_size``
+    micro-batches; ``temperature`` 1 keeps the log-probs those of the sampling distribution.
+    """
+    tu.assign_non_tensor(
+        data,
+        use_dynamic_bsz=False,
+        micro_batch_size_per_gpu=micro_batch_size,
+        use_remove_padding=use_remove_padding,
+        temperature=1.0,
+        calculate_entropy=calculate_entropy,
+        use_fused_kernels=False,
+    )
+    return data
+
+
+def trinity_layout(
+    prompts: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+) -> TensorDict:
+    """A padded batch converted as Trinity's trainer converts it for the actor.
+
+    ``left_right_2_no_padding`` (Trinity's own) makes ``input_ids`` and ``position_ids`` jagged
+    over the real tokens, copies ``response_mask`` into ``loss_mask`` and records
+    ``max_seq_len`` / ``max_response_len`` / ``indices``.
+    """
+    from trinity.trainer.verl.monkey_patch import left_right_2_no_padding
+
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    data = TensorDict(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": attention_mask,
+            "position_ids": position_ids_for(attention_mask),
+            "response_mask": response_mask,
+            "old_log_probs": old_log_probs,
+            "advantages": advantages,
+        },
+        batch_size=[prompts.shape[0]],
+    )
+    use_torch_unpad_input()
+    return left_right_2_no_padding(data)
+
+
+def torch_unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor):
+    """``flash_attn.bert_padding.unpad_input``'s first four results, in plain torch.
+
+    The kept rows of ``hidden_states`` (batch x seq x ...) in row-major order, their flat
+    indices, the cumulative sequence lengths starting at 0, and the longest length.
+    """
+    lengths = attention_mask.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
+    return flat[indices], indices, cu_seqlens, int(lengths.max())
+
+
+def use_torch_unpad_input() -> None:
+    """Point Trinity's ``left_right_2_no_padding`` at ``torch_unpad_input`` (no flash-attn)."""
+    import trinity.trainer.verl.monkey_patch as trinity_patch
+
+    trinity_patch.unpad_input = torch_unpad_input
+
+
+def cpu_stand_ins(fsdp1: bool = False, worker: bool = False) -> None:
+    """What a CPU-only machine lacks, and only that.
+
+    Always: ``torch.cpu.empty_cache`` (verl's memory helpers call it) as a no-op if missing.
+    ``fsdp1``: FSDP1 refuses CPU module states under ``sync_module_states=True`` (which verl
+    always sets), though gloo broadcasts them fine: skip that one check, keep the broadcast.
+    ``worker``
+    (Trinity's actor worker): register the engine for device ``cpu`` (verl lists it for
+    ``cuda`` and ``npu``), zero memory counters, and CUDA capability (0, 0), so that Trinity's
+    ``_build_module`` builds the model on CPU on every rank rather than on the meta device.
+    """
+    if not hasattr(torch.cpu, "empty_cache"):
+        torch.cpu.empty_cache = lambda: None  # type: ignore[attr-defined]
+    if fsdp1:
+        from torch.distributed.fsdp import _init_utils
+
+        _init_utils._check_module_states_for_sync_module_states = lambda module_states: None
+    if worker:
+        from verl.workers.engine import EngineRegistry
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+        EngineRegistry.register("language_model", ["fsdp", "fsdp2"], "cpu")(FSDPEngineWithLMHead)
+        for name in ("max_memory_allocated", "max_memory_reserved", "memory_allocated"):
+            setattr(torch.cpu, name, lambda *args, **kwargs: 0)
+        torch.cpu.memory_reserved = lambda *args, **kwargs: 0  # type: ignore[attr-defined]
+        torch.cuda.get_device_capability = lambda *args, **kwargs: (0, 0)
+        use_torch_unpad_input()
+
+
+def full_state_dict(engine) -> Dict[str, torch.Tensor]:
+    """The engine's current weights, gathered whole on every rank (for a rollout copy)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    state = get_model_state_dict(engine.module, options=options)
+    return {name: cast(torch.Tensor, value).detach().clone() for name, value in state.items()}
+
+
+def group_ranks(group: Optional[dist.ProcessGroup]):
+    """Global ranks of a process group (None: the loss got no group)."""
+    return None if group is None else dist.get_process_group_ranks(group)

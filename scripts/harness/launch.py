@@ -1,0 +1,75 @@
+"""The one torchrun launcher: start ``python -m <module>`` on N ranks, under a timeout.
+
+``torchrun --standalone`` picks a free rendezvous port itself. On timeout the whole process
+group the launch started is killed, so no worker outlives its caller. Workers write
+``<out>/rank<r>.json``; ``rank_records`` reads them back (None where a rank wrote nothing).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List, NamedTuple, Optional
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Launch(NamedTuple):
+    """How a launch ended: exit code (None on timeout), its output and its wall time."""
+
+    code: Optional[int]
+    out: str
+    err: str
+    seconds: float
+
+
+def torchrun(nproc: int, module: str, argv, timeout_s: float, stdout=None, path=None) -> Launch:
+    """Run ``module`` (a dotted name) with ``argv`` on ``nproc`` gloo ranks from the repo root.
+
+    ``stdout``: a file to stream the workers' stdout to (then ``out`` is empty); ``path``: a
+    folder the workers import from besides the repo root (``PYTHONPATH``).
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={nproc}", "-m", module, *map(str, argv)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    if path is not None:
+        env["PYTHONPATH"] = str(path)
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        text=True,
+        start_new_session=True,
+        stdout=stdout or subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        code: Optional[int] = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        code = None
+    return Launch(code, out or "", err, time.monotonic() - started)
+
+
+def rank_records(out: Path, nproc: int) -> List[Optional[dict]]:
+    """Each rank's JSON record from ``out``, None where a rank wrote none."""
+    paths = [out / f"rank{rank}.json" for rank in range(nproc)]
+    return [json.loads(p.read_text()) if p.exists() else None for p in paths]
+
+
+def write_record(path: Path, record: dict) -> None:
+    """Replace a rank's file in one step, so a killed run never leaves half a JSON."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(record, default=str))
+    os.replace(partial, path)
+
+
+def tail(text: str, lines: int = 40) -> str:
+    """The last lines of a long output, for an error message."""
+    return "\n".join(text.splitlines()[-lines:])

@@ -1,0 +1,102 @@
+"""The tiny causal LM and its sampler.
+
+A 2-layer Llama built from a config in code (random init, no download). Training runs inside
+verl's engine (``harness.engine``), which loads the model from a folder; sampling runs here, on
+a plain copy whose weights are gathered from the engine, with padded forwards.
+"""
+
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from scripts.harness.tasks import EOS, MAX_POSITIONS, PAD, RESPONSE_LEN, VOCAB_SIZE
+
+
+def build_model(seed: int, hidden: int = 64) -> LlamaForCausalLM:
+    """A fresh random 2-layer Llama; the same ``seed`` gives the same weights."""
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=MAX_POSITIONS,
+        pad_token_id=PAD,
+        bos_token_id=None,
+        eos_token_id=EOS,
+        tie_word_embeddings=False,
+        attn_implementation="eager",  # type: ignore[call-arg]  # taken through **kwargs
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def save_model(model: PreTrainedModel, folder: Path) -> Path:
+    """Write a model as a Hugging Face folder the engine can load (rank 0, then a barrier)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        model.save_pretrained(str(folder), safe_serialization=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return folder
+
+
+def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count only real tokens, so left padding does not shift them."""
+    return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
+def logits_for(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Float32 logits of a left-padded batch, positions counting real tokens only."""
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_for(attention_mask),
+        use_cache=False,
+    )
+    return out.logits.float()
+
+
+@torch.no_grad()
+def sample_responses(
+    model,
+    prompts: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    generator: torch.Generator,
+    goal: Optional[torch.Tensor] = None,
+    response_len: int = RESPONSE_LEN,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample up to ``response_len`` tokens per row at temperature 1.
+
+    Returns right-padded ``responses``, ``response_mask``, the log-prob of each sampled token
+    (what an inference engine would report) and the entropy of the sampling distribution at
+    each position, both masked to 0. A response ends with (and includes) its first EOS; with
+    ``goal`` (rows x vocabulary, bool), a row also ends once it holds all its goal tokens.
+    """
+    batch = prompts.shape[0]
+    ids, mask = prompts, prompt_mask
+    responses = torch.full((batch, response_len), PAD, dtype=torch.long)
+    response_mask = torch.zeros((batch, response_len), dtype=torch.long)
+    sampled_lp = torch.zeros((batch, response_len))
+    entropy = torch.zeros((batch, response_len))
+    alive = torch.ones(batch, dtype=torch.bool)
+    seen = torch.zeros((batch, VOCAB_SIZE), dtype=torch.bool)
+    for t in range(response_len):
+        log_probs = F.log_softmax(logits_for(model, ids, mask)[:, -1], dim=-1)
+        token = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(1)
+        sampled_lp[:, t] = log_probs.gather(1, token[:, None]).squeeze(1) * alive
+        entropy[:, t] = -(log_probs.exp() * log_probs).sum(-1) * alive
+        token = torch.where(alive, token, torch.full_like(token, PAD))
+        responses[:, t] = token
+        response_mask[:, t] = alive.long()
+        ids = torch.cat([ids, token[:, None]], dim=1)
+        mask = torch.cat([mask, alive.long()[:, None]], dim=1)
+        alive = alive & (token != EOS)
+        if goal is not None:
+            seen[torch.arange(batch), token] = True
+            alive = alive & ~(goal <= seen).all(dim=1)
+    return responses, response_mask, sampled_lp, entropy

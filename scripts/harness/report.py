@@ -1,0 +1,166 @@
+"""The trainer's metrics.jsonl files as summaries, a table and a figure (demo and experiment).
+
+"Final" means the mean over the last ``FINAL_SHARE`` of a run's steps (at least one step), since
+a single step's fresh-sample reward is noisy. A run's reward "collapsed" when that final mean is
+below ``COLLAPSE_FRACTION`` of the best mean over any earlier window of the same length: it
+reached something and lost most of it.
+"""
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+FINAL_SHARE = 0.1
+COLLAPSE_FRACTION = 0.5
+PANELS = (
+    ("reward", "reward, fresh samples"),
+    ("entropy", "token entropy, fresh samples"),
+    ("rho", "rho at the pair used"),
+    ("clip_low", "lower bound used (mean of calls)"),
+    ("clip_high", "upper bound used (mean of calls)"),
+)
+FIGURES = (
+    "final_reward",
+    "final_entropy",
+    "moved_share",
+    "mean_rho",
+    "neg_token_share",
+    "neg_mass_share",
+    "truncated_share",
+    "len_pos",
+    "len_neg",
+)
+
+
+def load_rows(path: Path) -> List[Dict]:
+    """The JSON lines of one run, with the pairs summed up as mean lower and upper bounds."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for row in rows:
+        row["clip_low"] = statistics.fmean(p[0] for p in row["pairs"])
+        row["clip_high"] = statistics.fmean(p[1] for p in row["pairs"])
+    return rows
+
+
+def window(rows: Sequence[Dict]) -> int:
+    """How many steps the final figures average."""
+    return max(1, round(len(rows) * FINAL_SHARE))
+
+
+def final(rows: Sequence[Dict], key: str) -> float:
+    """Mean of ``key`` over the run's last window."""
+    return statistics.fmean(r[key] for r in rows[-window(rows) :])
+
+
+def collapsed(rows: Sequence[Dict]) -> bool:
+    """The stated rule: final reward below COLLAPSE_FRACTION of the best window's mean."""
+    w = window(rows)
+    rewards = [r["reward"] for r in rows]
+    best = max(statistics.fmean(rewards[i : i + w]) for i in range(len(rewards) - w + 1))
+    return best > 0 and final(rows, "reward") < COLLAPSE_FRACTION * best
+
+
+def _mean_of(rows: Sequence[Dict], key: str) -> float:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.fmean(values) if values else float("nan")
+
+
+def run_summary(rows: Sequence[Dict]) -> Dict:
+    """One run's figures, and what the trainer checked at every step."""
+    errors = [r["logprob_layout_err"] for r in rows if r["logprob_layout_err"] is not None]
+    return {
+        "steps": len(rows),
+        "first_reward": statistics.fmean(r["reward"] for r in rows[: window(rows)]),
+        "final_reward": final(rows, "reward"),
+        "final_entropy": final(rows, "entropy"),
+        "moved_share": sum(r["moved"] for r in rows) / len(rows),
+        "collapsed": collapsed(rows),
+        "mean_rho": _mean_of(rows, "rho"),
+        **{key: _mean_of(rows, key) for key in FIGURES[4:]},
+        "clip_low_range": [min(r["clip_low"] for r in rows), max(r["clip_low"] for r in rows)],
+        "clip_high_range": [min(r["clip_high"] for r in rows), max(r["clip_high"] for r in rows)],
+        "ranks_agree": all(r["ranks_agree"] for r in rows),
+        "dp_group_forwarded": all(r["dp_group_forwarded"] for r in rows),
+        "logprob_layout_max_err": max(errors) if errors else None,
+        "train_wall_s": rows[-1]["wall_s"],
+    }
+
+
+def mean_std(values: Sequence[float]) -> Dict:
+    """Mean and sample standard deviation over seeds (std 0 for a single seed)."""
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return {"mean": round(statistics.fmean(values), 4), "std": round(std, 4)}
+
+
+def group_summary(runs: Sequence[Sequence[Dict]]) -> Dict:
+    """A variant at one staleness level, over its seeds."""
+    each = [run_summary(rows) for rows in runs]
+    out: Dict[str, Any] = {k: mean_std([e[k] for e in each]) for k in FIGURES}
+    out["collapsed_runs"] = sum(e["collapsed"] for e in each)
+    out["runs"] = len(each)
+    return out
+
+
+def _pm(stat: Dict, digits: int = 3) -> str:
+    return f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
+
+
+def table(summary: Dict, labels: Dict[str, str]) -> str:
+    """A markdown table: one row per (level, variant)."""
+    lines = [
+        "| staleness | variant | final reward | final entropy | steps with moved bounds "
+        "| mean rho | collapsed runs |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for level, variants in summary.items():
+        for name, s in variants.items():
+            lines.append(
+                f"| {level} | {labels[name]} | {_pm(s['final_reward'])} "
+                f"| {_pm(s['final_entropy'])} | {_pm(s['moved_share'], 2)} "
+                f"| {_pm(s['mean_rho'])} | {s['collapsed_runs']} of {s['runs']} |"
+            )
+    return "\n".join(lines)
+
+
+def smooth(values: List[float], width: int) -> List[float]:
+    """Running mean over the last ``width`` values (fewer at the start)."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= width:
+            acc -= values[i - width]
+        out.append(acc / min(i + 1, width))
+    return out
+
+
+def plot(runs: Dict, labels: Dict[str, str], path: Path, title: str) -> None:
+    """Rows: staleness levels; columns: PANELS; a mean line and a ±1 std band per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    levels = list(runs)
+    fig, axes = plt.subplots(
+        len(levels), len(PANELS), figsize=(4 * len(PANELS), 3.4 * len(levels)), squeeze=False
+    )
+    for i, level in enumerate(levels):
+        for j, (key, name) in enumerate(PANELS):
+            ax = axes[i][j]
+            for k, (variant, seeds) in enumerate(runs[level].items()):
+                width = max(1, window(seeds[0]))
+                curves = np.array([smooth([r[key] for r in rows], width) for rows in seeds])
+                mean, std = curves.mean(axis=0), curves.std(axis=0)
+                steps = np.arange(curves.shape[1])
+                ax.plot(steps, mean, color=f"C{k % 10}", label=labels[variant], linewidth=1.2)
+                ax.fill_between(steps, mean - std, mean + std, color=f"C{k % 10}", alpha=0.15)
+            ax.set_title(f"{level}: {name}", fontsize=9)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="best")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)

@@ -1,0 +1,315 @@
+"""The one trainer: GRPO on stale rollouts through verl's ``FSDPEngineWithLMHead``.
+
+A step: on every rank the rollout policy, a copy of the engine's weights ``lag`` steps old,
+answers ``prompts`` prompts ``group_size`` times; GRPO turns the rewards into advantages, and
+``old_log_probs`` are the rollout policy's own log-probs of the tokens it drew (Trinity's
+asynchronous mode), so the ratio measures the staleness. The batch, laid out as Trinity's
+trainer hands it to the actor, trains for ``epochs`` passes over ``mini_batches`` mini-batches,
+one ``engine.train_batch`` (one optimizer update) each; the engine splits a mini-batch into
+``micro_batches`` calls of Trinity's ``TrinityPolicyLoss``, each handed the engine's
+data-parallel group. Then the current policy answers a fixed set of evaluation prompts afresh:
+that reward and its token entropy are the step's figures. Rank 0 writes one JSON line a step.
+
+``make demo`` runs it on 2 ranks (``python -m torch.distributed.run --nproc_per_node=2 -m
+scripts.harness.trainer ...``); ``make experiment`` calls ``train`` in processes of one rank.
+"""
+
+import argparse
+import copy
+import json
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from collections import deque
+from pathlib import Path
+from typing import Dict, List, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from scripts.harness.engine import build_engine, engine_batch, full_state_dict, trinity_layout
+from scripts.harness.model import build_model, sample_responses, save_model
+from scripts.harness.recorder import LossRecorder
+from scripts.harness.tasks import (
+    goal_tokens,
+    group_advantages,
+    left_pad,
+    sample_prompts,
+    scores,
+)
+from scripts.harness.variants import Variant, loss_config, variant
+
+
+class Setting(NamedTuple):
+    """Everything but the variant and the seed that a run depends on."""
+
+    task: str = "stop"  # see harness.tasks
+    lag: int = 0  # training steps the rollout policy lags behind
+    epochs: int = 1
+    steps: int = 250
+    prompts: int = 8  # per rank
+    group_size: int = 8
+    mini_batches: int = 2  # optimizer updates per epoch
+    micro_batches: int = 1  # loss calls per update
+    lr: float = 3e-3
+    eval_prompts: int = 64  # per rank
+
+
+def generators(seed: int, rank: int) -> Dict[str, torch.Generator]:
+    """This rank's random streams: training prompts and samples, evaluation prompts and samples."""
+    names = ("prompts", "sample", "eval_prompts", "eval_sample")
+    return {
+        k: torch.Generator().manual_seed(seed * 1000 + 10 * rank + i) for i, k in enumerate(names)
+    }
+
+
+def rollout(behaviour, gens, setting: Setting):
+    """One step's mini-batches in Trinity's layout, and how negative-heavy the batch is."""
+    rows = sample_prompts(setting.prompts, gens["prompts"])
+    rows = [r for r in rows for _ in range(setting.group_size)]
+    prompts, prompt_mask = left_pad(rows)
+    goal = goal_tokens(setting.task, rows)
+    responses, mask, sampled_lp, _ = sample_responses(
+        behaviour, prompts, prompt_mask, gens["sample"], goal
+    )
+    rewards = torch.tensor(scores(setting.task, rows, responses, mask))
+    adv = group_advantages(rewards, setting.group_size)[:, None] * mask
+    size = len(rows) // setting.mini_batches
+    parts = [t.split(size) for t in (prompts, prompt_mask, responses, mask, sampled_lp, adv)]
+    batches = [
+        engine_batch(trinity_layout(*piece), size // setting.micro_batches) for piece in zip(*parts)
+    ]
+    return batches, imbalance(rewards, adv, mask)
+
+
+def imbalance(rewards: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> Dict:
+    """How much of the batch negative advantages carry, by tokens and by |A| mass."""
+    mask = mask.bool()
+    neg, pos = (adv < 0) & mask, (adv > 0) & mask
+    signed = neg.sum() + pos.sum()
+    mass_neg, mass_pos = adv[neg].abs().sum(), adv[pos].sum()
+    lengths, seq_adv = mask.sum(dim=1).float(), adv[:, 0]
+    return {
+        "rollout_reward": rewards.mean().item(),
+        "neg_token_share": (neg.sum() / signed).item() if signed else None,
+        "neg_mass_share": (mass_neg / (mass_neg + mass_pos)).item() if signed else None,
+        "len_pos": lengths[seq_adv > 0].mean().item() if (seq_adv > 0).any() else None,
+        "len_neg": lengths[seq_adv < 0].mean().item() if (seq_adv < 0).any() else None,
+        "truncated_share": (rewards.eq(0) & mask[:, -1]).float().mean().item(),
+    }
+
+
+def surrogate_sums(inputs: Dict, low: float, high: float) -> List[float]:
+    """Eq. 8's P and N at one pair, written here apart from the loss (a cross-check)."""
+    log_ratio = inputs["logprob"].double() - inputs["old_logprob"].double()
+    ratio, adv = log_ratio.clamp(-20, 20).exp(), inputs["advantages"].double()
+    live = inputs["mask"].bool()
+    p = (adv * ratio.clamp(max=high))[(adv > 0) & live].sum().item()
+    n = (-adv * ratio.clamp(min=low))[(adv < 0) & live].sum().item()
+    return [p, n]
+
+
+def summarise_calls(calls: List[Dict], run: Variant) -> List[Dict]:
+    """The pair each loss call used, rho there, and the clip fraction.
+
+    ``rho_surrogate`` is Eq. 8 recomputed here on the tokens of every rank (P and N summed
+    over them, as the synchronised search sums them).
+    """
+    out = []
+    for call in calls:
+        m, (low, high) = call["metrics"], run.start
+        if run.loss == "bapo":
+            low, high = m["bapo_clip_low"], m["bapo_clip_high"]
+        moved = [low, high] != run.start
+        out.append({"low": low, "high": high, "moved": moved, "clipfrac": m["pg_clipfrac"]})
+    sums = torch.tensor(
+        [surrogate_sums(c["inputs"], o["low"], o["high"]) for c, o in zip(calls, out)],
+        dtype=torch.float64,
+    )
+    dist.all_reduce(sums)
+    for call, summary, (p, n) in zip(calls, out, sums.tolist()):
+        summary["rho_surrogate"] = 1.0 if p + n == 0 else p / (p + n)
+        summary["rho"] = call["metrics"].get("bapo_positive_contribution", summary["rho_surrogate"])
+    return out
+
+
+def ranks_agree(calls: List[Dict]) -> bool:
+    """All-gather every call's pair; whether each rank used the same pairs in the same order."""
+    mine = torch.tensor([[c["low"], c["high"]] for c in calls], dtype=torch.float64)
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return all(torch.equal(g, mine) for g in gathered)
+
+
+def all_mean(values: List[float]) -> List[float]:
+    """Element-wise mean of ``values`` over the ranks."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+@torch.no_grad()
+def evaluate(model, eval_set, generator, task: str) -> Dict:
+    """Reward, token entropy and length of the current policy on fresh samples, over ranks."""
+    rows, prompts, prompt_mask = eval_set
+    responses, mask, _, entropy = sample_responses(
+        model, prompts, prompt_mask, generator, goal_tokens(task, rows)
+    )
+    rewards = scores(task, rows, responses, mask)
+    reward, ent, length = all_mean(
+        [
+            sum(rewards) / len(rewards),
+            (entropy.sum() / mask.sum()).item(),
+            mask.sum(1).float().mean().item(),
+        ]
+    )
+    return {"reward": reward, "entropy": ent, "length": length}
+
+
+def step_row(step: int, lag: int, calls: List[Dict], norms, fresh, stats) -> Dict:
+    """The step's JSON line: fresh reward and entropy, the pairs, rho, moves, grad norm."""
+    n = len(calls)
+    return {
+        "step": step,
+        "lag": lag,
+        **fresh,
+        **stats,
+        "pairs": [[c["low"], c["high"]] for c in calls],
+        "rho": sum(c["rho"] for c in calls) / n,
+        "rho_surrogate": sum(c["rho_surrogate"] for c in calls) / n,
+        "moved": any(c["moved"] for c in calls),
+        "moved_calls": sum(c["moved"] for c in calls),
+        "clipfrac": sum(c["clipfrac"] for c in calls) / n,
+        "grad_norm": sum(norms) / len(norms),
+    }
+
+
+def fresh_engine(behaviour, setting: Setting, seed: int):
+    """The engine, loaded from a temporary copy of ``behaviour`` (rank 0 writes it)."""
+    folder = [tempfile.mkdtemp(prefix="bapo-model-") if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(folder, src=0)
+    try:
+        save_model(behaviour, Path(folder[0]))
+        micro = setting.prompts * setting.group_size // setting.mini_batches
+        micro //= setting.micro_batches
+        return build_engine(Path(folder[0]), lr=setting.lr, micro_batch_size=micro, seed=seed)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(folder[0], ignore_errors=True)
+
+
+def train(run: Variant, seed: int, setting: Setting, out: Path, log_every: int = 0) -> Dict:
+    """Train one run on every rank of the default group; rank 0 writes ``out/metrics.jsonl``."""
+    from trinity.trainer.verl.losses import TrinityPolicyLoss
+
+    started, rank = time.time(), dist.get_rank()
+    behaviour = build_model(seed).eval()  # the rollout copy; the engine holds the policy
+    current = copy.deepcopy(behaviour)  # the engine's latest weights, for evaluation
+    engine = fresh_engine(behaviour, setting, seed)
+    loss_fn = TrinityPolicyLoss(loss_config(run.loss, run.args))
+    recorder = LossRecorder.install(loss_fn, engine.get_data_parallel_group(), keep_inputs=True)
+    snapshots = deque([copy.deepcopy(behaviour.state_dict())], maxlen=setting.lag + 1)
+    gens = generators(seed, rank)
+    eval_rows = sample_prompts(setting.eval_prompts, gens["eval_prompts"])
+    eval_set = (eval_rows, *left_pad(eval_rows))
+    sink = None
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        sink = open(out / "metrics.jsonl", "w")
+    for step in range(setting.steps):
+        lag = len(snapshots) - 1
+        behaviour.load_state_dict(snapshots[0])  # the oldest snapshot kept
+        batches, stats = rollout(behaviour, gens, setting)
+        recorder.calls.clear()
+        norms = []
+        # One train-mode context per update, as Trinity's actor worker enters it; nothing is
+        # offloaded, so the engine's offload round trip is skipped.
+        with engine.train_mode(disable_auto_offload=True):
+            for _ in range(setting.epochs):
+                for batch in batches:
+                    result = engine.train_batch(batch, loss_function=loss_fn)
+                    norms.append(float(result["metrics"]["grad_norm"]))
+        snapshots.append(full_state_dict(engine))
+        current.load_state_dict(snapshots[-1])
+        calls = summarise_calls(recorder.calls, run)
+        row = step_row(
+            step,
+            lag,
+            calls,
+            norms,
+            evaluate(current, eval_set, gens["eval_sample"], setting.task),
+            stats,
+        )
+        first = recorder.calls[0]["inputs"]
+        gap = (first["logprob"] - first["old_logprob"])[first["mask"].bool()].abs()
+        row["logprob_layout_err"] = gap.max().item() if lag == 0 and gap.numel() else None
+        row["ranks_agree"] = ranks_agree(calls)
+        row["dp_group_forwarded"] = recorder.forwarded
+        row["wall_s"] = round(time.time() - started, 2)
+        if sink:
+            sink.write(json.dumps(row) + "\n")
+            sink.flush()
+            if log_every and (step % log_every == 0 or step == setting.steps - 1):
+                print(progress_line(run.name, row), flush=True)
+    if sink:
+        sink.close()
+    return {"variant": run.name, "seed": seed, "steps": setting.steps, "wall_s": row["wall_s"]}
+
+
+def progress_line(name: str, row: Dict) -> str:
+    """One step's metrics as a console line."""
+    low, high = (sum(p[i] for p in row["pairs"]) / len(row["pairs"]) for i in (0, 1))
+    return (
+        f"[{name}] step {row['step']:4d}  reward {row['reward']:.3f}  entropy "
+        f"{row['entropy']:.3f}  clip ({low:.2f}, {high:.2f})  rho {row['rho']:.3f}  "
+        f"agree {row['ranks_agree']}  {row['wall_s']:.0f}s"
+    )
+
+
+def require_patched_trinity() -> None:
+    """Fail early, with the fix, if the installed trinity-rft lacks the interface patch."""
+    from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
+
+    if "dp_group" in getattr(BAPOPolicyLossFn(), "select_keys"):  # read as data: released
+        raise SystemExit("the installed trinity-rft is not patched; run `make setup`")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The trainer's flags, as ``make demo`` passes them."""
+    defaults = Setting()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variants", default="ppo_clip_higher,bapo_paper")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--no-sync", action="store_true", help="BAPO with sync_across_dp: false")
+    for field, value in defaults._asdict().items():
+        p.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """Start gloo, train each variant in turn on every rank, shut down."""
+    args = parse_args(argv)
+    setting = Setting(**{k: getattr(args, k) for k in Setting._fields})
+    torch.set_num_threads(1)
+    # A rank that gets no group would choose its own bounds; that warning is fatal here.
+    warnings.filterwarnings("error", message="BAPO: sync_across_dp is on")
+    warnings.filterwarnings("ignore", category=UserWarning)
+    require_patched_trinity()
+    dist.init_process_group("gloo")
+    try:
+        for name in args.variants.split(","):
+            overrides = {"sync_across_dp": False} if args.no_sync and "bapo" in name else {}
+            train(variant(name, **overrides), args.seed, setting, args.out / name, args.log_every)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The clipping schemes compared, each a registered Trinity policy loss with its arguments.
+
+``loss_config`` builds the ``AlgorithmConfig`` that ``TrinityPolicyLoss`` takes, with the loss
+alone (no KL, no entropy bonus). ``start`` is the pair a variant uses when nothing moves it, so
+a call "moved the bounds" when it used another pair.
+"""
+
+from typing import Dict, List, NamedTuple
+
+
+class Variant(NamedTuple):
+    """A named loss configuration."""
+
+    name: str
+    label: str
+    loss: str
+    args: Dict
+    start: List[float]
+
+
+def loss_config(name: str, args: dict):
+    """Trinity's AlgorithmConfig for policy loss ``name`` with ``args``, nothing else in it."""
+    from trinity.common.config import AlgorithmConfig
+
+    return AlgorithmConfig(
+        policy_loss_fn=name,
+        policy_loss_fn_args=dict(args),
+        kl_loss_fn="none",
+        kl_loss_fn_args={},
+        entropy_loss_fn="none",
+        entropy_loss_fn_args={"entropy_coef": 0.0},
+        loss_agg_mode="token-mean",
+    )
+
+
+def _bapo(**overrides) -> Dict:
+    from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
+
+    return {**BAPOPolicyLossFn.default_args(), **overrides}
+
+
+def all_variants() -> List[Variant]:
+    """The six variants, in the order the tables list them."""
+    ppo = dict(clip_range_low=0.2, clip_range_high=0.2)
+    clip_higher = dict(clip_range_low=0.2, clip_range_high=0.28)
+    authors = dict(
+        search_order="lower_first",
+        positive_contribution_target=0.5,
+        ratio_lower_max=0.8,
+        ratio_lower_step=0.05,
+        ratio_upper_max=2.0,
+        ratio_upper_step=0.05,
+    )
+    return [
+        Variant("ppo", "PPO (0.8, 1.2)", "ppo", ppo, [0.8, 1.2]),
+        Variant("ppo_clip_higher", "PPO clip-higher (0.8, 1.28)", "ppo", clip_higher, [0.8, 1.28]),
+        Variant(
+            "bapo_fixed_start",
+            "ablation: BAPO start pair fixed (0.6, 1.2)",
+            "bapo",
+            _bapo(ratio_lower_max=0.6, ratio_upper_max=1.2),
+            [0.6, 1.2],
+        ),
+        Variant("bapo_paper", "BAPO, paper defaults", "bapo", _bapo(), [0.6, 1.2]),
+        Variant(
+            "bapo_gradient",
+            "BAPO, contribution: gradient",
+            "bapo",
+            _bapo(contribution="gradient"),
+            [0.6, 1.2],
+        ),
+        Variant("bapo_authors", "BAPO, authors' settings", "bapo", _bapo(**authors), [0.6, 1.2]),
+    ]
+
+
+def variant(name: str, **loss_overrides) -> Variant:
+    """One variant by name, its loss arguments updated with ``loss_overrides``."""
+    found = {v.name: v for v in all_variants()}[name]
+    return found._replace(args={**found.args, **loss_overrides})

@@ -1,0 +1,141 @@
+"""Write the pull requests: one git patch each against the Trinity-RFT 0.6.0 source distribution.
+
+- ``dist/trinity-rft-bapo.patch``: BAPO (the runtime-key interface, the engine forwarding the
+  dp_group, the legacy actor, the registry and preset, the README row) with our modules, the
+  example and the unit test.
+- ``dist/trinity-rft-loss-agg-mode.patch``: the config validator fix and its test, unrelated
+  to BAPO and so a pull request of its own.
+
+Each is the diff between the unpacked source distribution (from PyPI, cached in build/sdist/)
+and the same tree with that pull request's patches applied and its files added, preceded by its
+description (``patches/pr/<name>.md``) and the parts it holds; ``git apply`` skips that text. A
+maintainer applies either one alone at the root of a v0.6.0 checkout.
+Run: make pr (or: python -m scripts.make_pr [OUTPUT_DIR])
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List
+
+REPO = Path(__file__).resolve().parents[1]
+PATCHES = REPO / "patches"
+OUTPUT = REPO / "dist"
+SDIST = REPO / "build" / "sdist" / "trinity_rft-0.6.0.tar.gz"
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """The patches (in order) and the repo files one pull request holds."""
+
+    name: str
+    patches: List[str]
+    files: List[str]
+
+    def description(self) -> str:
+        """The text before the diff: the description, then what the patch holds, per part."""
+        parts = [(PATCHES / p).read_text().split("\n--- a/", 1)[0].strip() for p in self.patches]
+        return "\n".join(
+            [
+                (PATCHES / "pr" / f"{self.name}.md").read_text().strip(),
+                "",
+                "Changes to existing files, one part each:",
+                "",
+                *(part.replace("Subject: ", "") + "\n" for part in parts),
+                "New files:",
+                *(f"  {rel}" for rel in self.files),
+                "",
+                "",
+            ]
+        )
+
+
+def _files(*folders: str) -> List[str]:
+    """Repo-relative paths of the files under the folders (no bytecode)."""
+    found = [p for f in folders for p in (REPO / f).rglob("*") if p.is_file()]
+    return sorted(str(p.relative_to(REPO)) for p in found if "__pycache__" not in p.parts)
+
+
+def pull_requests() -> List[PullRequest]:
+    """Both pull requests, BAPO first."""
+    bapo_patches = sorted(p.name for p in PATCHES.glob("000*.patch"))
+    return [
+        PullRequest(
+            "bapo",
+            bapo_patches,
+            _files("trinity", "examples/bapo_gsm8k") + ["tests/algorithm/bapo_policy_loss_test.py"],
+        ),
+        PullRequest(
+            "loss-agg-mode",
+            ["loss-agg-mode-0001-config-copies-loss-agg-mode.patch"],
+            ["tests/common/loss_agg_mode_config_test.py"],
+        ),
+    ]
+
+
+def source_distribution() -> Path:
+    """The trinity-rft 0.6.0 sdist, downloaded once; raises RuntimeError if it cannot be had."""
+    if not SDIST.is_file():
+        SDIST.parent.mkdir(parents=True, exist_ok=True)
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        done = subprocess.run(
+            [*pip, "trinity-rft==0.6.0", "-d", str(SDIST.parent)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        if done.returncode != 0 or not SDIST.is_file():
+            raise RuntimeError(f"cannot download the trinity-rft 0.6.0 sdist:\n{done.stderr}")
+    return SDIST
+
+
+def unpack(into: Path) -> Path:
+    """Unpack the sdist under ``into``; return its root."""
+    with tarfile.open(source_distribution()) as archive:
+        archive.extractall(into, filter="data")
+    return into / "trinity_rft-0.6.0"
+
+
+def git(root: Path, *args: str) -> str:
+    """Run git in ``root`` (never in an enclosing repository) and return its output."""
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(root.parent)}
+    done = subprocess.run(
+        ["git", *args], cwd=root, capture_output=True, text=True, check=True, env=env
+    )
+    return done.stdout
+
+
+def diff(pr: PullRequest) -> str:
+    """The pull request's diff against the sdist, made in a scratch git repository."""
+    with tempfile.TemporaryDirectory(prefix="trinity-pr-") as tmp:
+        root = unpack(Path(tmp))
+        git(root, "init", "-q")
+        git(root, "add", "-A")
+        base = git(root, "write-tree").strip()
+        git(root, "apply", *(str(PATCHES / p) for p in pr.patches))
+        for rel in pr.files:
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(REPO / rel, root / rel)
+        git(root, "add", "-A")
+        head = git(root, "write-tree").strip()
+        prefixes = ["--src-prefix=a/", "--dst-prefix=b/", "--no-renames", "--no-ext-diff"]
+        return git(root, "diff", "--no-color", *prefixes, base, head)
+
+
+def main(output: Path = OUTPUT) -> int:
+    """Write every pull request's patch into ``output``."""
+    output.mkdir(parents=True, exist_ok=True)
+    for pr in pull_requests():
+        path = output / f"trinity-rft-{pr.name}.patch"
+        path.write_text(pr.description() + diff(pr))
+        print(f"wrote {path}: {len(pr.patches)} parts, {len(pr.files)} files added")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*map(Path, sys.argv[1:2])))
