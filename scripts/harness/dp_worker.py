@@ -217,8 +217,9 @@ def run_by_hand(args) -> int:
     for call in range(args.calls):
         row = torch.full((3,), float("nan"), dtype=torch.float64)
         if ctx.rank in members:
-            # odd ranks mostly negative, even ones mostly positive: alone they choose apart
-            shape, share = (3 + ctx.rank, 40), 0.85 if ctx.rank % 2 else 0.15
+            # odd ranks mostly negative, even ones balanced: alone they choose apart, and together
+            # (rho below the target) the group still has to move
+            shape, share = (3 + ctx.rank, 40), 0.9 if ctx.rank % 2 else 0.5
             batch = common.bench_batch(shape, 100 * args.seed + 10 * ctx.rank + call, share)
             _, m = loss_fn(**ctx.put(batch), dp_group=group)
             keys = ("bapo_clip_low", "bapo_clip_high", "bapo_positive_contribution")
