@@ -491,9 +491,9 @@ def test_gradient_without_sync_differs(launches, world, backend, name):
 def test_by_hand_check_two_ranks():
     """The DP worker's by-hand mode with 2 ranks and 2 calls: exits 0 and reports agreement.
 
-    Rank 0 and 1 alone choose different pairs on the "mixed" case (test_cases_discriminate_...
-    shows it for the paper's config), so agreement on every call needs the all-reduce; with
-    ``--no-sync`` the same run reports disagreement.
+    Rank 0's batch is balanced and rank 1's mostly negative, so alone they choose different
+    pairs: agreement on every call needs the all-reduce, and the same run with ``--no-sync``
+    must report disagreement.
     """
     lines = {}
     for flags in ([], ["--no-sync"]):
