@@ -243,7 +243,7 @@ def bench_cuda(quick: bool, device: str = "cuda") -> Dict:
     """
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    rounds, search = (3, losses()[0].search) if quick else (15, losses()[0].search)
+    rounds, search = 3 if quick else 15, losses()[0].search
     name = torch.cuda.get_device_name(0) if device == "cuda" else device
     result: Dict = {"device": name, "bapo_over_ppo_fwd": {}, "search_ms": {}}
     for tokens in [4096] if quick else [65_536, 8_388_608]:
