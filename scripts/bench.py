@@ -1,23 +1,21 @@
 """`make bench`: BAPO's cost beside PPO, against a per-candidate search, over ranks, in memory.
 
-Every figure is a ratio against a baseline timed side by side in the same process (timers from
-``torch.utils.benchmark``, contenders interleaved, medians), printed with its target; the last
-stdout line is one JSON object. CPU part (one torch thread):
+Every figure is a ratio against a baseline timed side by side in the same process
+(``torch.utils.benchmark`` timers, contenders interleaved, medians) and printed with its
+target; the last stdout line is one JSON object. The CPU part runs on one torch thread:
 
-* ``bapo_over_ppo_loss``: one BAPO forward over one PPO forward (64 x 1,024 tokens, paper grid,
-  a batch on which the target is never met, so the walk is the whole 51-step path);
-* ``speedup_vs_literal_loop``: the per-candidate search (one pass, one ``.item()`` per pair, as
-  the authors' code does) over ours (``local_sums`` + ``decide``);
+* ``bapo_over_ppo_loss``: one BAPO forward over one PPO forward, 64 x 1,024 tokens on which the
+  paper's target is never met (the whole 51-step path);
+* ``speedup_vs_literal_loop``: the per-candidate search (one ``.item()`` per pair, as the
+  authors' code does) over ours;
 * ``dp_speedup_vs_per_candidate_allreduce``, ``collectives_per_call``,
-  ``all_reduce_values_per_call``: 4 gloo ranks (``scripts.harness.dp_worker bench``), the
-  per-candidate all-reduce over ours, and what one synchronised call sends;
+  ``all_reduce_values_per_call``: the same on 4 gloo ranks, and what one synchronised call sends;
 * ``large_grid_peak_rss_over_input``: peak resident-memory growth of one search over 2,000,000
   tokens and 2,000 candidates, over the inputs' bytes, in a fresh process.
 
-The CUDA part (``cuda`` in the JSON, where a GPU exists): ``bapo_over_ppo_fwd`` and
-``bapo_over_ppo_fwd_bwd`` per token count, ``search_ms``, and ``step_overhead_share`` (BAPO's
-forward and backward minus PPO's, over one bf16 training step of a Qwen2-0.5B-shaped model built
-from its config). Run: python -m scripts.bench [--quick]
+Where a GPU exists, ``cuda`` adds the loss ratios per token count, ``search_ms``, and
+``step_overhead_share``: BAPO's forward and backward minus PPO's, over one bf16 training step of
+a Qwen2-0.5B-shaped model built from its config. Run: python -m scripts.bench [--quick]
 """
 
 import argparse
@@ -82,7 +80,7 @@ def timed(fns: Dict[str, Callable], rounds: int) -> Dict[str, float]:
 
 
 def surrogate_share(ratio, advantages, mask, low: float, high: float, all_reduce=None) -> float:
-    """Rho at one pair by Eq. 8, read back to the host (the per-candidate host sync)."""
+    """Rho at one pair by Eq. 8, read back to the host: the per-candidate sync."""
     valid = mask.to(ratio.dtype)
     positive = (advantages * torch.clamp(ratio, max=high) * (advantages > 0) * valid).sum()
     negative = (-advantages * torch.clamp(ratio, min=low) * (advantages < 0) * valid).sum()
@@ -94,11 +92,10 @@ def surrogate_share(ratio, advantages, mask, low: float, high: float, all_reduce
 
 
 def literal_search(ratio, advantages, mask, grid: Dict, all_reduce=None):
-    """The baseline: Algorithm 1 with rho recomputed from the tokens at every pair it visits.
+    """The baseline: Algorithm 1 recomputing rho from the tokens at every pair it visits.
 
-    Exact rational bounds, so it visits the pairs ``BoundSearch`` visits; one pass, one host
-    sync and (with ``all_reduce``, an in-place SUM) one collective per candidate: 52 of each on
-    the paper grid when the target is never met. Returns (low, high, steps).
+    Exact rational bounds, so it visits ``BoundSearch``'s pairs, with one host sync and (given
+    ``all_reduce``) one collective per pair. Returns (low, high, steps).
     """
     exact = {k: Fraction(repr(float(v))) for k, v in grid.items()}
     c_low, c_high = exact["ratio_lower_start"], exact["ratio_upper_start"]
@@ -187,7 +184,7 @@ def bench_search(shape, rounds: int) -> Dict:
 
 
 def bench_dp(tokens: int, repeats: int) -> Dict:
-    """4 gloo ranks in the harness's DP worker; its JSON comes back through a temporary file."""
+    """4 gloo ranks in the harness's DP worker, which writes its JSON to a temporary file."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "dp.json"
         argv = ["bench", "--out", out, "--tokens-per-rank", tokens, "--repeats", repeats]
@@ -221,7 +218,7 @@ def rss_probe(tokens: int) -> Dict:
 
 
 def bench_rss(tokens: int) -> Dict:
-    """``rss_probe`` in a child whose glibc hands freed memory back at once (else it hides)."""
+    """``rss_probe`` in a child whose glibc returns freed memory at once, so that none hides."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="0")
     cmd = [sys.executable, "-m", "scripts.bench", "--rss-probe", str(tokens)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -237,10 +234,7 @@ def bench_rss(tokens: int) -> Dict:
 
 
 def bench_cuda(quick: bool, device: str = "cuda") -> Dict:
-    """The CUDA figures: loss ratios per token count, the search alone, the share of a step.
-
-    ``device`` "cpu" runs the same code with ``quick`` sizes, so a test can exercise it here.
-    """
+    """The CUDA figures; ``device="cpu"`` runs the same code, so that a test can exercise it."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     rounds, search = 3 if quick else 15, losses()[0].search

@@ -1,15 +1,13 @@
 """`make demo`: PPO against BAPO through verl's FSDP engine on R gloo ranks (CPU), with a figure.
 
-Launches the harness trainer (``scripts.harness.trainer``) under torchrun: a tiny random-init
-Llama learns the ``stop`` task from GRPO rollouts of a copy of the policy ``--lag`` updates old,
-once with PPO's clip-higher pair (0.8, 1.28) and once with BAPO's paper defaults, on the same
-seeds, both through Trinity's ``TrinityPolicyLoss`` with the engine's data-parallel group. Then
-draws ``<out>/report.png`` (copied to ``docs/demo_report.png`` unless ``--no-docs``) and prints a
-summary; the last stdout line is one JSON object.
+Launches the harness trainer under torchrun: a tiny random-init Llama learns the ``stop`` task
+from GRPO rollouts of a copy of the policy ``--lag`` updates old, once with PPO's clip-higher
+pair (0.8, 1.28) and once with BAPO's paper defaults, on the same seeds, both through Trinity's
+``TrinityPolicyLoss`` with the engine's data-parallel group. Draws ``<out>/report.png`` (copied
+to ``docs/demo_report.png`` unless ``--no-docs``); the last stdout line is one JSON object.
+Exit status: 1 if the ranks used different clip pairs or the loss never saw the engine's group,
+2 if the workers failed, 3 if they timed out.
 Run: python -m scripts.demo [--steps N] [--ranks R] [--no-sync]
-
-Exit status: 0 on success, 1 if the ranks used different clip pairs (or the loss never saw the
-engine's group), 2 if the workers failed, 3 if they timed out.
 """
 
 import argparse
@@ -21,10 +19,10 @@ from pathlib import Path
 
 from scripts.harness import report
 from scripts.harness.launch import tail, torchrun
+from scripts.harness.variants import variant
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("ppo_clip_higher", "bapo_paper")
-EXIT_DISAGREE, EXIT_WORKER_FAILED, EXIT_TIMEOUT = 1, 2, 3
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,8 +54,7 @@ def trainer_argv(args) -> list:
 
 def main(argv=None) -> int:
     """Launch, collect, plot, judge; returns the exit status."""
-    args = parse_args(argv)
-    started = time.time()
+    args, started = parse_args(argv), time.time()
     shutil.rmtree(args.out, ignore_errors=True)  # never report a previous run's numbers
     args.out.mkdir(parents=True)
     print(f"{args.ranks} gloo ranks, {', '.join(VARIANTS)}, {args.steps} steps each", flush=True)
@@ -67,36 +64,28 @@ def main(argv=None) -> int:
     if launch.code != 0:
         what = "timed out" if launch.code is None else f"exited {launch.code}"
         print(f"the trainer {what}:\n{tail(launch.err)}", file=sys.stderr)
-        return EXIT_TIMEOUT if launch.code is None else EXIT_WORKER_FAILED
-    runs = {name: report.load_rows(args.out / name / "metrics.jsonl") for name in VARIANTS}
-    if any(len(rows) != args.steps for rows in runs.values()):
-        print(f"expected {args.steps} steps per variant", file=sys.stderr)
-        return EXIT_WORKER_FAILED
-    labels = {
-        "ppo_clip_higher": "PPO, fixed clip (0.8, 1.28)",
-        "bapo_paper": "BAPO, paper defaults",
-    }
+        return 3 if launch.code is None else 2
+    rows = {name: report.load_rows(args.out / name / "metrics.jsonl") for name in VARIANTS}
     title = (
         f"tiny Llama in verl's FSDP2 engine, {args.ranks} ranks (gloo), task stop, GRPO groups "
         f"of 8, rollout policy {args.lag} steps stale, seed {args.seed}"
     )
-    report.plot(
-        {"demo": {n: [rows] for n, rows in runs.items()}}, labels, args.out / "report.png", title
-    )
+    labels = {name: variant(name).label for name in VARIANTS}
+    report.plot({"demo": {n: [r] for n, r in rows.items()}}, labels, args.out / "report.png", title)
     if not args.no_docs:
         shutil.copyfile(args.out / "report.png", ROOT / "docs" / "demo_report.png")
-    summaries = {name: report.run_summary(rows) for name, rows in runs.items()}
+    summaries = {name: report.run_summary(r) for name, r in rows.items()}
     for name, s in summaries.items():
         print(
             f"{name}: reward {s['first_reward']:.3f} -> {s['final_reward']:.3f}, final entropy "
             f"{s['final_entropy']:.3f}, bounds moved at {s['moved_share']:.0%} of steps"
         )
-    ranks_agree = all(s["ranks_agree"] for s in summaries.values())
-    forwarded = all(s["dp_group_forwarded"] for s in summaries.values())
+    checks = {
+        k: all(s[k] for s in summaries.values()) for k in ("ranks_agree", "dp_group_forwarded")
+    }
     keys = ("first_reward", "final_reward", "final_entropy", "moved_share", "mean_rho")
     result = {
-        "ranks_agree": ranks_agree,
-        "dp_group_forwarded": forwarded,
+        **checks,
         **{name: {k: s[k] for k in keys} for name, s in summaries.items()},
         "logprob_layout_max_err": max(s["logprob_layout_max_err"] or 0 for s in summaries.values()),
         "ranks": args.ranks,
@@ -107,7 +96,7 @@ def main(argv=None) -> int:
         "wall_time_s": round(time.time() - started, 1),
     }
     print(json.dumps(result), flush=True)
-    return 0 if ranks_agree and forwarded else EXIT_DISAGREE
+    return 0 if all(checks.values()) else 1
 
 
 if __name__ == "__main__":

@@ -2,11 +2,10 @@
 """Apply, revert and show (status) this repo's changes to an installed trinity-rft.
 
 patches/series holds diffs against released files, applied by ``git apply`` to copies that move
-into place together. A file is released if its sha256 is the one in pip's RECORD, and patched if
-reverse-applying the series to a copy gives those bytes; anything else is refused, by name. Every
-``*.py`` under the repo's trinity/ is copied into the package at the same path (hashes kept in
-trinity/.bapo-installed.json): ``apply`` re-copies what the repo changed, never a copy edited in
-place or a file not ours. ``--site``: the directory holding ``trinity`` (default: trinity-rft's).
+into place together. A file is released if its sha256 is the one in pip's RECORD, patched if
+reverse-applying the series to a copy gives those bytes; anything else is refused, by name. Our
+``trinity/*.py`` are copied into the package at the same paths (their hashes in
+trinity/.bapo-installed.json), never over a copy edited in place or a file not ours.
 """
 
 import argparse
@@ -28,7 +27,7 @@ RECORD = "trinity/.bapo-installed.json"
 
 
 def sha256(path: Path) -> str:
-    """Hex sha256 of a file's bytes: the identity every state check rests on."""
+    """Hex sha256 of a file's bytes, on which every state check rests."""
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -61,7 +60,7 @@ def git_apply(root: Path, *args: str | Path) -> subprocess.CompletedProcess[byte
 
 
 def stage(site: Path, rels: list[str], tmp: str) -> Path:
-    """Copy the given files of `site` into a scratch tree, where the series is tried first."""
+    """Copy files of `site` into a scratch tree, where the series is tried first."""
     for rel in rels:
         Path(tmp, rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(site / rel, Path(tmp, rel))
@@ -70,7 +69,7 @@ def stage(site: Path, rels: list[str], tmp: str) -> Path:
 
 def place(site: Path, sources: dict[str, Path]) -> dict[str, str]:
     """Put copies of the sources at their targets, all or none; return the copies' hashes."""
-    pending, hashes = [], {}  # copies go next to their targets, then renames (which cannot fail)
+    pending, hashes = [], {}  # copies next to their targets, then renames (which cannot fail)
     try:
         for rel, src in sources.items():
             (site / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -98,3 +98,13 @@ def authors_order(tokens, a_lo, b_lo, d_lo, a_hi, b_hi, d_hi, rho0, contribution
         c_high = min(c_high + d_hi, b_hi)
         steps += 1
     return float(c_low), float(c_high), steps
+
+
+def token_loss(ratio, adv, c_low, c_high, clip_ratio_c):
+    """The README's per-token loss: -min(r A, clip(r) A), then PPO's dual clip where A < 0."""
+    import torch
+
+    loss = -torch.minimum(ratio * adv, torch.clamp(ratio, c_low, c_high) * adv)
+    if clip_ratio_c is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -adv * clip_ratio_c), loss)
+    return loss

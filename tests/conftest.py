@@ -1,4 +1,4 @@
-"""Refuse to test a stale install (the tests and the harness import through pyproject.toml)."""
+"""Refuse to test a stale install; the one torchrun driver the launched tests share."""
 
 import subprocess
 import sys
@@ -6,14 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from scripts.harness.launch import REPO, rank_records, tail, torchrun
+
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Stop before testing copies that differ from the repo.
-
-    Our modules are installed into trinity-rft as copies, so an edit under trinity/ reaches the
-    tests only after `make setup` (which `make test` runs) copies it there.
-    """
-    tool = Path(__file__).resolve().parents[1] / "scripts" / "trinity_patches.py"
+    """Stop before testing installed copies that differ from the repo (`make setup` copies)."""
+    tool = REPO / "scripts" / "trinity_patches.py"
     done = subprocess.run(
         [sys.executable, str(tool), "status"], capture_output=True, text=True, timeout=120
     )
@@ -23,3 +21,53 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             f"trinity/; run `make setup` first.\n{done.stdout}{done.stderr}",
             returncode=1,
         )
+
+
+class Launches:
+    """Launches of the harness's DP worker on checks of a tests/ module, one per key, cached."""
+
+    def __init__(self, root: Path):
+        """Launch outputs go under ``root``."""
+        self.root, self.done = root, dict[str, tuple]()
+
+    def records(self, key, nproc, module, checks, backend="gloo", timeout=150, **options):
+        """(launch, per-rank records) of one launch; options reach the checks with ``out``."""
+        if key not in self.done:
+            out = self.root / key
+            out.mkdir()
+            argv = ["checks", "--out", out, "--module", module, "--checks", ",".join(checks)]
+            argv += [
+                "--backend",
+                backend,
+                "--group-timeout",
+                timeout / 3,
+            ]  # peers of a hung rank fail
+            for name, value in {"out": out, **options}.items():
+                argv += ["--option", f"{name}={value}"]
+            launch = torchrun(
+                nproc, "scripts.harness.dp_worker", argv, timeout, path=REPO / "tests"
+            )
+            self.done[key] = (launch, rank_records(out, nproc))
+        return self.done[key]
+
+    def check(self, key, name, *args, **kwargs):
+        """Per-rank results of check ``name``, or a failure saying what went wrong where."""
+        launch, records = self.records(key, *args, **kwargs)
+        problems = []
+        for rank, record in enumerate(records):
+            result = None if record is None else record["checks"].get(name)
+            if result is None:
+                problems.append(f"rank {rank}: no result")
+            elif "error" in result:
+                problems.append(f"rank {rank} raised:\n{result['error']}")
+        if problems:
+            status = "timed out" if launch.code is None else f"exit code {launch.code}"
+            where = f"{key}, check {name!r}: {status} after {launch.seconds:.0f} s"
+            pytest.fail("\n".join([where, *problems, "--- stderr ---", tail(launch.err)]))
+        return [record["checks"][name] for record in records]
+
+
+@pytest.fixture(scope="session")
+def launches(tmp_path_factory) -> Launches:
+    """The session's launches."""
+    return Launches(tmp_path_factory.mktemp("launches"))

@@ -12,10 +12,10 @@ from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict
 
 from scripts.harness.cases import PAPER
-from scripts.harness.dp_worker import _plain, call_bapo, counted_call, run_record
+from scripts.harness.dp_worker import call_bapo, counted_call
+from scripts.harness.variants import loss_config
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 
 PROMPT_WIDTH = 4
@@ -125,95 +125,6 @@ def lists_to_case(data: Dict[str, List]) -> Dict[str, torch.Tensor]:
     }
 
 
-# --------------------------------------------------------------------------- tiny policy
-
-VOCAB, WIDTH = 7, 3
-TOKENS_PER_RANK = 24  # equal on every rank, so the mean of per-rank token-means is the union's
-_GRAD_SHAPES = ((4, 8), (3, 10), (5, 6), (6, 5))
-_GRAD_POSITIVE_SHARE = (1.0, 0.0, 0.5, 0.3)  # rank 0 all positive, rank 1 all negative
-
-
-def tiny_policy_params(seed: int = 0) -> Dict[str, torch.Tensor]:
-    """Embedding + output matrix of a bigram policy, float64 so sums agree to ~1e-12."""
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "embed": torch.randn(VOCAB, WIDTH, generator=gen, dtype=torch.float64) * 0.7,
-        "out": torch.randn(WIDTH, VOCAB, generator=gen, dtype=torch.float64) * 0.7,
-    }
-
-
-def tiny_policy_logprob(params: Dict[str, torch.Tensor], prev: torch.Tensor, target: torch.Tensor):
-    """Return log pi(target | prev) for every position."""
-    logits = params["embed"][prev] @ params["out"]
-    return torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
-
-
-def make_policy_batch(rank: int, seed: int = 0) -> Dict[str, torch.Tensor]:
-    """A rank's tokens for the gradient check: its own shape, exactly TOKENS_PER_RANK unmasked.
-
-    ``log_ratio`` is the wanted log-ratio; the old log-prob is the current one minus it, so the
-    ratios spread over [0.4, 2.5] whatever the parameters are.
-    """
-    gen = torch.Generator().manual_seed(seed * 1000 + 17 + rank)
-    rows, width = _GRAD_SHAPES[rank % len(_GRAD_SHAPES)]
-    order = torch.randperm(rows * width, generator=gen)
-    mask = torch.zeros(rows * width, dtype=torch.int64)
-    mask[order[:TOKENS_PER_RANK]] = 1
-    share = _GRAD_POSITIVE_SHARE[rank % len(_GRAD_POSITIVE_SHARE)]
-    positive = torch.rand(rows, width, generator=gen) < share
-    magnitude = torch.rand(rows, width, generator=gen, dtype=torch.float64) + 0.1
-    return {
-        "prev": torch.randint(0, VOCAB, (rows, width), generator=gen),
-        "target": torch.randint(0, VOCAB, (rows, width), generator=gen),
-        "log_ratio": (torch.rand(rows, width, generator=gen, dtype=torch.float64) - 0.5) * 1.8,
-        "advantages": torch.where(positive, magnitude, -magnitude),
-        "mask": mask.reshape(rows, width),
-    }
-
-
-# --------------------------------------------------------------------------- engine batches
-
-ENGINE_BATCH = 8  # sequences per data-parallel rank and step
-ENGINE_WIDTH = 6  # prompt and response width
-# Per data-parallel rank share of sequences with a positive advantage: rank 0 mostly positive,
-# rank 1 mostly negative, so a rank that searched alone would pick another pair.
-ENGINE_POSITIVE_SHARE = (0.75, 0.15, 0.5, 0.3)
-
-
-def engine_rank_batch(dp_rank: int, step: int) -> TensorDict:
-    """One data-parallel rank's batch for one step, in Trinity's layout for the actor.
-
-    Prompts are left-padded, responses right-padded, with lengths 2 to 4 on even ranks and 4 to
-    6 on odd ones; every sequence has one advantage (GRPO-like) whose sign follows the rank's
-    share; old log-probs spread so that the ratios to the model's log-probs cover both clip
-    ranges.
-    """
-    from scripts.harness.engine import trinity_layout
-    from scripts.harness.tasks import VOCAB_SIZE
-
-    gen = torch.Generator().manual_seed(1000 * dp_rank + step)
-    low = 2 if dp_rank % 2 == 0 else 4  # odd ranks hold longer sequences, so more tokens
-    prompt_len = torch.randint(low, low + 3, (ENGINE_BATCH,), generator=gen)
-    response_len = torch.randint(low, low + 3, (ENGINE_BATCH,), generator=gen)
-    columns = torch.arange(ENGINE_WIDTH)
-    prompt_mask = (columns >= ENGINE_WIDTH - prompt_len[:, None]).long()
-    response_mask = (columns < response_len[:, None]).long()
-    prompts = torch.randint(1, VOCAB_SIZE, (ENGINE_BATCH, ENGINE_WIDTH), generator=gen)
-    responses = torch.randint(1, VOCAB_SIZE, (ENGINE_BATCH, ENGINE_WIDTH), generator=gen)
-    share = ENGINE_POSITIVE_SHARE[dp_rank % len(ENGINE_POSITIVE_SHARE)]
-    sign = torch.where(torch.rand(ENGINE_BATCH, generator=gen) < share, 1.0, -1.0)
-    advantages = (sign * (torch.rand(ENGINE_BATCH, generator=gen) + 0.2))[:, None] * response_mask
-    old = -(torch.rand(ENGINE_BATCH, ENGINE_WIDTH, generator=gen) * 2.5 + 1.5) * response_mask
-    return trinity_layout(
-        prompts * prompt_mask,
-        prompt_mask,
-        responses * response_mask,
-        response_mask,
-        old,
-        advantages,
-    )
-
-
 # --------------------------------------------------------------------------- the checks
 
 
@@ -282,38 +193,21 @@ def verl_micro_batch(ctx, data, case):
     return {"log_probs": log_probs.to(ctx.device)}, batch.to(ctx.device)
 
 
-def algorithm_config(name):
-    """The fields of Trinity's AlgorithmConfig that TrinityPolicyLoss reads."""
-    from types import SimpleNamespace
-
-    kwargs = loss_kwargs(name)
-    return SimpleNamespace(
-        policy_loss_fn="bapo",
-        policy_loss_fn_args=kwargs,
-        kl_loss_fn="none",
-        kl_loss_fn_args={},
-        entropy_loss_fn="none",
-        entropy_loss_fn_args={"entropy_coef": 0.0},
-        loss_agg_mode=kwargs.get("loss_agg_mode", "token-mean"),
-    )
-
-
 def check_trinity(ctx):
     """Every case x config through TrinityPolicyLoss with the engine's (model_output, data)."""
     from trinity.trainer.verl.losses import TrinityPolicyLoss
 
-    losses = {name: TrinityPolicyLoss(algorithm_config(name)) for name in CONFIGS}
+    losses = {name: TrinityPolicyLoss(loss_config("bapo", loss_kwargs(name))) for name in CONFIGS}
     out = {}
     for case in CASES:
         data = make_case(case, ctx.rank, ctx.world, ctx.seed)
         model_output, batch = verl_micro_batch(ctx, data, case)
         runs = {}
         for name, loss_fn in losses.items():
-            runs[name] = run_record(
-                *counted_call(
-                    loss_fn, model_output=model_output, data=batch, dp_group=dist.group.WORLD
-                )
-            )
+            group = dist.group.WORLD
+            runs[name] = counted_call(
+                loss_fn, model_output=model_output, data=batch, dp_group=group
+            )[1]
         out[case] = {"data": case_to_lists(data), "runs": runs}
     return out
 
@@ -440,48 +334,28 @@ GRADIENT_CONFIGS = ("paper_upper_surrogate", "paper_lower_gradient")
 
 
 def check_gradient(ctx):
-    """Tiny bigram policy; per-rank gradients averaged by an explicit all_reduce / world.
+    """Each rank's gradient (float64) with respect to its log-probs, with sync on and off.
 
-    The same data runs with sync on and off; the driver compares both averages with the
-    single-process gradient on the union.
+    The driver compares it with the gradient of the token-mean over the union of the ranks.
     """
-    batch = make_policy_batch(ctx.rank, ctx.seed)
-    start = tiny_policy_params(ctx.seed)
-    out = {
-        "params": {k: v.tolist() for k, v in start.items()},
-        "batch": {k: v.tolist() for k, v in batch.items()},
-        "runs": {},
-    }
-    dev = ctx.put(batch)
+    data = make_case("mixed", ctx.rank, ctx.world, ctx.seed)
+    case = ctx.put({key: data[key].double() for key in ("logprob", "old_logprob", "advantages")})
+    runs: Dict[str, Dict] = {}
     for name in GRADIENT_CONFIGS:
         for sync in (True, False):
-            params = {  # a fresh leaf per run: gradients must not pile up across runs
-                k: v.detach().clone().to(ctx.device).requires_grad_(True) for k, v in start.items()
-            }
-            logprob = tiny_policy_logprob(params, dev["prev"], dev["target"])
-            old_logprob = logprob.detach() - dev["log_ratio"]
-            loss_fn = BAPOPolicyLossFn(**loss_kwargs(name, sync_across_dp=sync))
-            loss, metrics, counter = counted_call(
-                loss_fn,
-                logprob=logprob,
-                old_logprob=old_logprob,
-                action_mask=dev["mask"],
-                advantages=dev["advantages"],
+            leaf = case["logprob"].clone().requires_grad_(True)
+            loss, record = counted_call(
+                BAPOPolicyLossFn(**loss_kwargs(name, sync_across_dp=sync)),
+                logprob=leaf,
+                old_logprob=case["old_logprob"],
+                action_mask=data["mask"].to(leaf.device),
+                advantages=case["advantages"],
                 dp_group=dist.group.WORLD,
             )
             loss.backward()
-            grads = {}
-            for key, value in params.items():
-                grad = value.grad.detach().clone()
-                dist.all_reduce(grad, op=dist.ReduceOp.SUM)
-                grads[key] = (grad / ctx.world).cpu().tolist()
-            runs = out["runs"].setdefault(name, {})
-            runs["sync" if sync else "nosync"] = {
-                "metrics": _plain(metrics),
-                "collectives": counter.ops,
-                "grad": grads,
-            }
-    return out
+            record["grad"] = leaf.grad.cpu().tolist()
+            runs.setdefault(name, {})["sync" if sync else "nosync"] = record
+    return {"data": case_to_lists(data), "runs": runs}
 
 
 CHECKS = {

@@ -1,18 +1,11 @@
 """BAPO's data-parallel bound search, run for real with torchrun on gloo (CPU).
 
-With ``sync_across_dp`` every rank of the dp group must take the decision that one process
-would take on the union of the ranks' tokens. The oracle here is the literal transcription in
-``bapo_reference`` run on the concatenated token lists, and the single-process gradient is
-recomputed in this process from a loss written from the README's formula, so nothing expected
-comes from the code under test.
-
-One torchrun launch per world size (2, 3, 4) runs every check of the harness's DP worker
-(``scripts.harness.dp_worker checks``); each rank writes JSON, and each test below reads one check,
-so a failure names its check, world size, case, config and rank. A check that raised, or that
-a crashed or timed-out launch never reached, fails its tests with the traceback and the
-workers' stderr; ``test_launch_ends_cleanly`` fails on any unclean exit.
-
-nccl variants are collected too and skipped unless the machine has a GPU per rank.
+With ``sync_across_dp`` every rank of the dp group must take the decision one process would take
+on the union of the ranks' tokens: the literal transcription in ``bapo_reference`` run on the
+concatenated token lists, and the single-process gradient recomputed here from the README's
+loss. One launch per world size (2, 3, 4) runs every check of ``tests/dist_checks.py`` in the
+harness's DP worker; each test reads one check, so a failure names its check, world size, case,
+config and rank. nccl variants are collected too and skipped unless each rank has a GPU.
 """
 
 import math
@@ -28,157 +21,65 @@ from dist_oracle import (
     got_choice,
     locals_differ,
     oracle,
-    reference_token_loss,
     tokens_of,
     union_tokens,
 )
-from scripts.harness.launch import REPO, rank_records, tail, torchrun
+from scripts.harness.launch import tail, torchrun
 
-WORKER = "scripts.harness.dp_worker"
-LAUNCH_TIMEOUT_S = 150  # a launch takes 10-30 s here; beyond this something hangs
-
-BASE_CHECKS = [
-    "group_none",
-    "oracle",
-    "trinity",
-    "sync_off",
-    "nonfinite",
-    "gradient",
-    "mismatch",
-    "failure",
-]
+BASE_CHECKS = ["group_none", "oracle", "trinity", "sync_off", "nonfinite", "gradient"]
+BASE_CHECKS += ["mismatch", "failure"]
 CHECKS_BY_WORLD = {2: BASE_CHECKS, 3: BASE_CHECKS + ["subgroup", "nonmember"], 4: BASE_CHECKS}
 WORLDS = sorted(CHECKS_BY_WORLD)
 ALL_REDUCE = "c10d.allreduce_.default"
-ALL_GATHER = "c10d.allgather_.default"
 # The first synchronised call of a loss on a group checks the ranks' settings, then reduces.
-FIRST_CALL = [ALL_GATHER, ALL_REDUCE]
+FIRST_CALL = ["c10d.allgather_.default", ALL_REDUCE]
 HEADER = 2  # values before the candidates' sums: failed ranks, non-finite tokens
 
 
-def grid_length(start, maximum, step, cap):
-    """Candidates start + k step <= maximum (plus the capped maximum), in exact arithmetic."""
-    a, b, d = (Fraction(repr(float(x))) for x in (start, maximum, step))
-    if a == b:
-        return 1
-    count = math.floor((b - a) / d) + 1
-    return count + int(cap and a + (count - 1) * d < b)
-
-
 def values_per_call(name):
-    """What one all-reduce may carry for config ``name``: the header and every candidate."""
-    kw = common.loss_kwargs(name)
-    cap = kw["search_order"] == "lower_first"
-    lower = grid_length(kw["ratio_lower_start"], kw["ratio_lower_max"], kw["ratio_lower_step"], cap)
-    upper = grid_length(kw["ratio_upper_start"], kw["ratio_upper_max"], kw["ratio_upper_step"], cap)
-    return HEADER + lower + upper
+    """What one all-reduce carries for config ``name``: the header and every candidate.
+
+    Candidates are start + k step <= maximum, plus the capped maximum in the authors' order.
+    """
+    kw, count = common.loss_kwargs(name), HEADER
+    for side in ("lower", "upper"):
+        a, b, d = (
+            Fraction(repr(float(kw[f"ratio_{side}_{part}"]))) for part in ("start", "max", "step")
+        )
+        steps = math.floor((b - a) / d) + 1 if a != b else 1
+        count += steps + int(kw["search_order"] == "lower_first" and a + (steps - 1) * d < b)
+    return count
 
 
-# --------------------------------------------------------------------------- launching
-
-
-def _backend_available(backend, world):
-    if backend == "gloo":
-        return True
+def nccl_ranks(world):
+    """Whether the machine has a GPU for each of ``world`` nccl ranks."""
     return torch.cuda.is_available() and torch.cuda.device_count() >= max(2, world)
 
 
-class Launches:
-    """One launch per (world, backend), made on first use and shared by the module."""
-
-    def __init__(self, tmp_root):
-        """Keep launches under ``tmp_root``."""
-        self.tmp_root = tmp_root
-        self.done = {}
-
-    def records(self, world, backend):
-        """Return (exit code, stderr, seconds, per-rank records) of one launch."""
-        if not _backend_available(backend, world):
-            pytest.skip(f"{backend} with {world} ranks needs {max(2, world)} CUDA devices")
-        key = (world, backend)
-        if key not in self.done:
-            out = self.tmp_root / f"w{world}_{backend}"
-            out.mkdir()
-            argv = ["checks", "--out", out, "--backend", backend]
-            argv += ["--checks", ",".join(CHECKS_BY_WORLD[world])]
-            code, _, err, seconds = torchrun(
-                world, WORKER, argv, LAUNCH_TIMEOUT_S, path=REPO / "tests"
-            )
-            self.done[key] = (code, err, seconds, rank_records(out, world))
-        return self.done[key]
-
-    def check(self, world, backend, name):
-        """Per-rank results of one check, or a failure that says what went wrong where."""
-        code, err, seconds, records = self.records(world, backend)
-        where = f"torchrun {world} ranks ({backend}), check {name!r}"
-        status = "timed out" if code is None else f"exit code {code}"
-        problems = []
-        for rank, record in enumerate(records):
-            result = None if record is None else record["checks"].get(name)
-            if result is None:
-                problems.append(f"rank {rank}: no result ({status} after {seconds:.0f} s)")
-            elif "error" in result:
-                problems.append(f"rank {rank} raised:\n{result['error']}")
-        if problems:
-            pytest.fail(
-                f"{where}:\n"
-                + "\n".join(problems)
-                + f"\n--- workers' stderr (tail) ---\n{tail(err)}"
-            )
-        return [record["checks"][name] for record in records]
-
-
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    return Launches(tmp_path_factory.mktemp("bapo_dist"))
-
-
-# nccl needs one GPU per rank; the worlds beyond 2 skip inside Launches.records as well.
 with_backend = pytest.mark.parametrize(
     "backend",
-    [
-        "gloo",
-        pytest.param(
-            "nccl",
-            marks=pytest.mark.skipif(
-                not _backend_available("nccl", 2), reason="nccl needs >= 2 CUDA devices"
-            ),
-        ),
-    ],
+    ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(not nccl_ranks(2), reason="no GPUs"))],
 )
+
+
+def results(launches, world, backend, name):
+    """Per-rank results of check ``name`` in the launch of ``world`` ranks."""
+    if backend == "nccl" and not nccl_ranks(world):
+        pytest.skip(f"nccl with {world} ranks needs {world} CUDA devices")
+    args = (world, "dist_checks", CHECKS_BY_WORLD[world], backend)
+    return launches.check(f"dist_{world}_{backend}", name, *args)
 
 
 @with_backend
 @pytest.mark.parametrize("world", WORLDS)
 def test_launch_ends_cleanly(launches, world, backend):
     """Every check ran and torchrun exited 0 (a check's own test reports its failure)."""
-    code, err, seconds, records = launches.records(world, backend)
-    status = "timed out" if code is None else f"exit code {code}"
-    assert code == 0, f"{world} ranks: {status} after {seconds:.0f} s\n{tail(err)}"
-    for rank, record in enumerate(records):
-        assert record is not None and list(record["checks"]) == CHECKS_BY_WORLD[world], rank
-
-
-# --------------------------------------------------------------------------- oracle side
-
-# --------------------------------------------------------------------------- the test data
-
-
-@pytest.mark.parametrize("world", WORLDS)
-def test_cases_discriminate_synced_from_local(world):
-    """For every config some case has a rank whose own choice differs from the union's.
-
-    Otherwise a loss that skipped the all-reduce would pass the oracle tests below.
-    """
-    missing = []
-    for name in common.CONFIGS:
-        datas_by_case = [
-            [common.case_to_lists(common.make_case(case, r, world)) for r in range(world)]
-            for case in common.CASES
-        ]
-        if not any(locals_differ(datas, name) for datas in datas_by_case):
-            missing.append(name)
-    assert not missing, f"{world} ranks: no case tells synced from local for {missing}"
+    results(launches, world, backend, "group_none")
+    launch, records = launches.records(
+        f"dist_{world}_{backend}", world, "dist_checks", CHECKS_BY_WORLD[world], backend
+    )
+    assert launch.code == 0, f"{world} ranks: exit {launch.code}\n{tail(launch.err)}"
+    assert all(list(r["checks"]) == CHECKS_BY_WORLD[world] for r in records)
 
 
 # --------------------------------------------------------------------------- synced choice
@@ -198,16 +99,24 @@ def union_problems(result, prefix=""):
 @with_backend
 @pytest.mark.parametrize("world", WORLDS)
 def test_every_rank_chooses_the_union_pair(launches, world, backend):
-    """Call BAPOPolicyLossFn with dp_group=WORLD: all cases x configs against the oracle."""
-    problems = union_problems(launches.check(world, backend, "oracle"))
+    """Call BAPOPolicyLossFn with dp_group=WORLD: all cases x configs against the oracle.
+
+    For every config some case has a rank whose own choice differs from the union's, or a loss
+    that skipped the all-reduce would pass.
+    """
+    result = results(launches, world, backend, "oracle")
+    problems = union_problems(result)
     assert not problems, "\n".join(problems)
+    datas = [[rank[case]["data"] for rank in result] for case in common.CASES]
+    blind = [n for n in common.CONFIGS if not any(locals_differ(d, n) for d in datas)]
+    assert not blind, f"{world} ranks: no case tells synced from local for {blind}"
 
 
 @with_backend
 @pytest.mark.parametrize("world", WORLDS)
 def test_trinity_policy_loss_forwards_the_group(launches, world, backend):
     """Call TrinityPolicyLoss on the engine's (model_output, data) layout, group forwarded."""
-    problems = union_problems(launches.check(world, backend, "trinity"), "actor/")
+    problems = union_problems(results(launches, world, backend, "trinity"), "actor/")
     assert not problems, "\n".join(problems)
 
 
@@ -224,7 +133,7 @@ def test_one_all_reduce_per_synced_call(launches, world, backend):
     """
     problems = []
     for check in ("oracle", "trinity"):
-        for rank, rank_result in enumerate(launches.check(world, backend, check)):
+        for rank, rank_result in enumerate(results(launches, world, backend, check)):
             for index, case in enumerate(common.CASES):
                 for name, run in rank_result[case]["runs"].items():
                     want = FIRST_CALL if index == 0 else [ALL_REDUCE]
@@ -233,11 +142,11 @@ def test_one_all_reduce_per_synced_call(launches, world, backend):
                     sent = run["values"][-1]
                     if sent != values_per_call(name):
                         problems.append(f"{check}/{case}/{name} rank {rank}: {sent} values")
-    for rank, rank_result in enumerate(launches.check(world, backend, "nonfinite")):
+    for rank, rank_result in enumerate(results(launches, world, backend, "nonfinite")):
         for name, run in rank_result["runs"].items():
             if run["collectives"] != FIRST_CALL:
                 problems.append(f"nonfinite/{name} rank {rank}: {run['collectives']}")
-    for rank, rank_result in enumerate(launches.check(world, backend, "gradient")):
+    for rank, rank_result in enumerate(results(launches, world, backend, "gradient")):
         for name, runs in rank_result["runs"].items():
             if runs["sync"]["collectives"] != FIRST_CALL:
                 problems.append(f"gradient/{name} rank {rank}: {runs['sync']['collectives']}")
@@ -249,15 +158,15 @@ def test_one_all_reduce_per_synced_call(launches, world, backend):
 def test_no_collective_without_sync(launches, world, backend):
     """Sync off and group None: the loss issues no collective at all."""
     problems = []
-    for rank, rank_result in enumerate(launches.check(world, backend, "sync_off")):
+    for rank, rank_result in enumerate(results(launches, world, backend, "sync_off")):
         for name, run in rank_result["runs"].items():
             if run["collectives"]:
                 problems.append(f"sync_off/{name} rank {rank}: {run['collectives']}")
-    for rank, rank_result in enumerate(launches.check(world, backend, "gradient")):
+    for rank, rank_result in enumerate(results(launches, world, backend, "gradient")):
         for name, runs in rank_result["runs"].items():
             if runs["nosync"]["collectives"]:
                 problems.append(f"gradient/{name} rank {rank}: {runs['nosync']['collectives']}")
-    for rank, rank_result in enumerate(launches.check(world, backend, "group_none")):
+    for rank, rank_result in enumerate(results(launches, world, backend, "group_none")):
         for i, call in enumerate(rank_result["calls"]):
             if call["collectives"]:
                 problems.append(f"group_none call {i} rank {rank}: {call['collectives']}")
@@ -270,7 +179,7 @@ def test_no_collective_without_sync(launches, world, backend):
 @with_backend
 @pytest.mark.parametrize("world", WORLDS)
 def test_group_none_warns_once_and_stays_local(launches, world, backend):
-    result = launches.check(world, backend, "group_none")
+    result = results(launches, world, backend, "group_none")
     datas = [rank_result["data"] for rank_result in result]
     name = "paper_upper_surrogate"
     assert locals_differ(datas, name), "data cannot tell a local choice from a synced one"
@@ -289,7 +198,7 @@ SUBGROUP_WORLD = 3
 @with_backend
 def test_subgroup_syncs_its_members_only(launches, backend):
     """{0, 1} in a 3-rank job: 0 and 1 agree with their union; rank 2 never calls; no hang."""
-    result = launches.check(SUBGROUP_WORLD, backend, "subgroup")
+    result = results(launches, SUBGROUP_WORLD, backend, "subgroup")
     datas = [rank_result["data"] for rank_result in result]
     assert all(rank_result["passed_barrier"] for rank_result in result)
     assert result[2]["pair"] == {} and result[2]["solo"] == {}
@@ -310,7 +219,7 @@ def test_subgroup_syncs_its_members_only(launches, backend):
 
 @with_backend
 def test_size_one_group_is_local_and_silent(launches, backend):
-    result = launches.check(SUBGROUP_WORLD, backend, "subgroup")
+    result = results(launches, SUBGROUP_WORLD, backend, "subgroup")
     solo = result[0]["solo"]
     for name in common.CONFIGS:
         want = oracle(tokens_of(result[0]["data"]), name)
@@ -321,7 +230,7 @@ def test_size_one_group_is_local_and_silent(launches, backend):
 @with_backend
 def test_rank_outside_the_group_raises(launches, backend):
     """A rank that passes a group it is not in gets a clear error, not a silent solo search."""
-    result = launches.check(SUBGROUP_WORLD, backend, "nonmember")
+    result = results(launches, SUBGROUP_WORLD, backend, "nonmember")
     assert "result" in result[0] and "result" in result[1], result[:2]
     assert result[2].get("raised") == "RuntimeError", result[2]
     assert "not a member of the dp_group" in result[2]["message"], result[2]
@@ -337,7 +246,7 @@ def test_ranks_with_different_settings_raise_everywhere(launches, world, backend
 
     The control, where every rank has the same settings, must run through and agree.
     """
-    result = launches.check(world, backend, "mismatch")
+    result = results(launches, world, backend, "mismatch")
     control = [rank_result["same"] for rank_result in result]
     assert all("result" in outcome for outcome in control), control
     assert len({got_choice(outcome["result"]["metrics"]) for outcome in control}) == 1
@@ -362,7 +271,7 @@ def test_bad_inputs_on_one_rank_raise_on_every_rank_in_that_call(launches, world
     The bad rank raises its own ValueError, the others a RuntimeError naming it; in call 3,
     with good inputs everywhere, every rank again takes the union's pair (nothing off by one).
     """
-    result = launches.check(world, backend, "failure")
+    result = results(launches, world, backend, "failure")
     datas = [rank_result["data"] for rank_result in result]
     name = "paper_upper_surrogate"
     want = oracle(union_tokens(datas), name)
@@ -388,7 +297,7 @@ def test_bad_inputs_on_one_rank_raise_on_every_rank_in_that_call(launches, world
 @pytest.mark.parametrize("world", WORLDS)
 def test_sync_off_ranks_diverge(launches, world, backend):
     """The tests can see divergence: without sync each rank takes its own local choice."""
-    result = launches.check(world, backend, "sync_off")
+    result = results(launches, world, backend, "sync_off")
     for name in common.CONFIGS:
         pairs = [got_choice(r["runs"][name]["metrics"])[:2] for r in result]
         assert len(set(pairs)) > 1, f"{name}: every rank chose {pairs[0]} without sync"
@@ -403,7 +312,7 @@ def test_sync_off_ranks_diverge(launches, world, backend):
 @with_backend
 @pytest.mark.parametrize("world", WORLDS)
 def test_nonfinite_on_one_rank_keeps_start_pair_everywhere(launches, world, backend):
-    result = launches.check(world, backend, "nonfinite")
+    result = results(launches, world, backend, "nonfinite")
     problems = []
     for name in common.CONFIGS:
         kw = common.loss_kwargs(name)
@@ -427,62 +336,59 @@ def test_nonfinite_on_one_rank_keeps_start_pair_everywhere(launches, world, back
 
 
 def union_gradient(result, name):
-    """Single-process gradient: token-mean over the union at the union oracle's pair."""
-    kw = common.loss_kwargs(name)
-    params = {
-        k: torch.tensor(v, dtype=torch.float64, requires_grad=True)
-        for k, v in result[0]["params"].items()
+    """The union oracle's pair, and each rank's share of the token-mean gradient over the union.
+
+    A rank's loss is the token-mean over its own tokens, so its gradient is the union's times
+    the union's token count over its own.
+    """
+    case = {
+        key: torch.cat([torch.tensor(r["data"][key]).reshape(-1) for r in result])
+        for key in ("logprob", "old_logprob", "advantages", "mask")
     }
-    pieces, tokens = [], []
-    for rank_result in result:
-        batch = rank_result["batch"]
-        prev, target = torch.tensor(batch["prev"]), torch.tensor(batch["target"])
-        adv = torch.tensor(batch["advantages"], dtype=torch.float64)
-        mask = torch.tensor(batch["mask"]).bool()
-        logprob = common.tiny_policy_logprob(params, prev, target)
-        old = logprob.detach() - torch.tensor(batch["log_ratio"], dtype=torch.float64)
-        tokens += ref.token_lists(logprob.detach(), old, mask, adv)
-        pieces.append((logprob, old, adv, mask))
-    low, high, _ = oracle(tokens, name)
-    total, count = 0.0, 0
-    for logprob, old, adv, mask in pieces:
-        ratio = torch.exp(torch.clamp(logprob - old, -20.0, 20.0))
-        total = total + reference_token_loss(ratio, adv, low, high, kw["clip_ratio_c"])[mask].sum()
-        count += int(mask.sum())
-    (total / count).backward()
-    return (low, high), {k: v.grad for k, v in params.items()}
+    lp, old, adv = (case[k].double() for k in ("logprob", "old_logprob", "advantages"))
+    mask, leaf = case["mask"].bool(), lp.clone().requires_grad_(True)
+    low, high, _ = oracle(union_tokens([r["data"] for r in result]), name)
+    ratio = torch.exp(torch.clamp(leaf - old, -20.0, 20.0))
+    clip_c = common.loss_kwargs(name)["clip_ratio_c"]
+    ref.token_loss(ratio, adv, low, high, clip_c)[mask].mean().backward()
+    sizes = [torch.tensor(r["data"]["mask"]).numel() for r in result]
+    counts = [int(torch.tensor(r["data"]["mask"]).sum()) for r in result]
+    parts = leaf.grad.split(sizes)
+    return (low, high), [g * int(mask.sum()) / max(n, 1) for g, n in zip(parts, counts)]
 
 
-def _max_gap(got, want):
-    return max(
-        float((torch.tensor(got[k], dtype=torch.float64) - want[k]).abs().max()) for k in want
+def gradient_gaps(result, name, mode):
+    """Per rank, the largest gap between its gradient and its share of the union's."""
+    _, want = union_gradient(result, name)
+    got = [
+        torch.tensor(r["runs"][name][mode]["grad"], dtype=torch.float64).reshape(-1) for r in result
+    ]
+    return [float((g - w).abs().max()) for g, w in zip(got, want)], max(
+        float(w.abs().max()) for w in want
     )
 
 
 @with_backend
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("name", ["paper_upper_surrogate", "paper_lower_gradient"])
+@pytest.mark.parametrize("name", common.GRADIENT_CONFIGS)
 def test_gradient_with_sync_equals_union_gradient(launches, world, backend, name):
-    result = launches.check(world, backend, "gradient")
-    pair, want = union_gradient(result, name)
+    result = results(launches, world, backend, "gradient")
+    pair, _ = union_gradient(result, name)
+    gaps, scale = gradient_gaps(result, name, "sync")
     for rank, rank_result in enumerate(result):
-        run = rank_result["runs"][name]["sync"]
-        assert got_choice(run["metrics"])[:2] == pair, f"rank {rank}"
-        gap = _max_gap(run["grad"], want)
-        assert gap < 1e-9, f"rank {rank}: averaged gradient is {gap:.3g} off the union's"
+        assert got_choice(rank_result["runs"][name]["sync"]["metrics"])[:2] == pair, rank
+        assert gaps[rank] < 1e-12 * scale, f"rank {rank}: gradient {gaps[rank]:.3g} off the union's"
 
 
 @with_backend
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("name", ["paper_upper_surrogate", "paper_lower_gradient"])
+@pytest.mark.parametrize("name", common.GRADIENT_CONFIGS)
 def test_gradient_without_sync_differs(launches, world, backend, name):
-    result = launches.check(world, backend, "gradient")
-    _, want = union_gradient(result, name)
+    result = results(launches, world, backend, "gradient")
     pairs = {got_choice(r["runs"][name]["nosync"]["metrics"])[:2] for r in result}
     assert len(pairs) > 1, f"ranks agree without sync: {pairs}"
-    scale = max(float(g.abs().max()) for g in want.values())
-    gap = _max_gap(result[0]["runs"][name]["nosync"]["grad"], want)
-    assert gap > 1e-3 * scale, f"unsynced gradient within {gap:.3g} of the union's"
+    gaps, scale = gradient_gaps(result, name, "nosync")
+    assert max(gaps) > 1e-3 * scale, f"unsynced gradients within {max(gaps):.3g} of the union's"
 
 
 # --------------------------------------------------------------------------- by-hand script
@@ -497,7 +403,9 @@ def test_by_hand_check_two_ranks():
     """
     lines = {}
     for flags in ([], ["--no-sync"]):
-        code, out, err, seconds = torchrun(2, WORKER, ["by-hand", "--calls", "2", *flags], 150)
+        code, out, err, seconds = torchrun(
+            2, "scripts.harness.dp_worker", ["by-hand", "--calls", "2", *flags], 150
+        )
         assert code == 0, f"exit {code} after {seconds:.0f} s\n{tail(out)}\n{tail(err)}"
         lines[bool(flags)] = [line for line in out.splitlines() if line.startswith("call ")]
     assert len(lines[False]) == 2 and all(line.endswith("agree: yes") for line in lines[False])

@@ -17,20 +17,13 @@ import math
 import pytest
 import torch
 
+import bapo_reference as ref
 from bapo_inputs import batch, call, chosen, mask_values, point
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import LOSS_AGG_MODES, BAPOPolicyLossFn
 from trinity.algorithm.policy_loss_fn.bapo_search import BoundSearch
 from trinity.algorithm.utils import aggregate_loss
 
 GRADIENT = dict(contribution="gradient")
-
-
-def readme_token_loss(ratio, adv, c_low, c_high, clip_ratio_c):
-    """Return the README's per-token loss: -min(r A, clip(r) A), then the dual clip for A < 0."""
-    loss = -torch.minimum(ratio * adv, torch.clamp(ratio, c_low, c_high) * adv)
-    if clip_ratio_c is not None:
-        loss = torch.where(adv < 0, torch.minimum(loss, -adv * clip_ratio_c), loss)
-    return loss
 
 
 def autograd_share(fn, logprob, old, mask, adv):
@@ -47,7 +40,7 @@ def autograd_share(fn, logprob, old, mask, adv):
     leaf = logprob.detach().clone().requires_grad_(True)
     loss, metrics = call(fn, leaf, old, mask, adv)
     ratio = torch.exp(torch.clamp(leaf - old, -20.0, 20.0))
-    readme = readme_token_loss(ratio, adv, *chosen(metrics), fn.clip_ratio_c)
+    readme = ref.token_loss(ratio, adv, *chosen(metrics), fn.clip_ratio_c)
     scale = loss.new_tensor(1 / weight.max().item())  # keeps 16-bit gradients off underflow
     full = (adv.double() * ratio.detach().double()).abs() * weight * scale.double()
     resolution, parts = torch.finfo(logprob.dtype), []
@@ -76,7 +69,7 @@ def pair_sums(log_ratio, adv, mask, c_low, c_high, contribution, clip_ratio_c):
         high, low = torch.clamp(ratio, max=c_high), torch.clamp(ratio, min=c_low)
         terms = torch.where(adv > 0, adv * high.double(), -adv * low.double())
     else:
-        loss = readme_token_loss(ratio, adv, c_low, c_high, clip_ratio_c)
+        loss = ref.token_loss(ratio, adv, c_low, c_high, clip_ratio_c)
         (terms,) = torch.autograd.grad(loss.sum(), leaf)
     weighted = (terms.detach().double().abs() * mask.double()).reshape(-1).tolist()
     signs = adv.reshape(-1).tolist()

@@ -1,20 +1,17 @@
 """The `dp_group` policy-loss interface (patches 0001 and 0002).
 
-verl 0.8's engine calls `loss_fn(model_output, data, dp_group=...)`. The patched
-`TrinityPolicyLoss` forwards that group to the policy loss, and the patched `PolicyLossFn`
-metaclass hands it only to losses whose `__call__` declares `dp_group`; it is never a data key.
-These tests pin the two promises of that change:
+verl 0.8's engine calls `loss_fn(model_output, data, dp_group=...)`; the patched
+`TrinityPolicyLoss` forwards it, and the patched `PolicyLossFn` metaclass hands it only to
+losses that declare it in `_runtime_keys`; it is never a data key. So:
 
 * nothing changes for a loss that does not ask for the group: every registered loss gives the
-  same loss, gradient and metrics through `TrinityPolicyLoss` with a group and without one, and
-  the same as calling the loss directly on padded tensors (the pre-patch behaviour);
+  same loss, gradient and metrics through `TrinityPolicyLoss` with a group and without, and as
+  when called directly on padded tensors (the pre-patch behaviour);
 * a loss that asks for the group gets the very object the engine passed.
 
-The batch is built the way the engine hands it to the loss: per-sample fields in a
-`TensorDict`, and the model's log-probs as one flat (jagged) tensor over prompt + response
-tokens of every sequence, where the log-prob of response token j of a sequence with prompt
-length p sits at position p - 1 + j of that sequence (position t predicts token t + 1). The
-oracle builds the padded response log-probs from that rule directly, not with verl's helper.
+The batch is what the engine hands the loss: per-sample fields in a `TensorDict`, the model's
+log-probs flat over each sequence, where response token j of a sequence with prompt length p sits
+at p - 1 + j. The oracle builds the padded response log-probs from that rule directly.
 """
 
 from datetime import timedelta
@@ -24,44 +21,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from verl.utils import tensordict_utils as tu
 
+from scripts.harness.engine import trinity_layout
 from trinity.algorithm import ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN
 from trinity.algorithm.policy_loss_fn.bapo_sync import ContributionSync
 from trinity.algorithm.policy_loss_fn.policy_loss_fn import PolicyLossFn
 from trinity.common.config import AlgorithmConfig
 from trinity.trainer.verl.losses import TrinityPolicyLoss
-
-# --- which registered losses are covered -------------------------------------------------------
-
-# Every name registered in POLICY_LOSS_FN (trinity-rft 0.6.0 + patch 0004), by the per-sample
-# fields its __call__ reads beyond `logprob`. All of them run with their default_args() on the
-# batch below, so none is excluded; `test_every_registered_loss_is_classified` fails when a
-# registration appears that this table does not know, so a new loss cannot slip past the
-# equivalence test unnoticed.
-STANDARD = ("old_log_probs", "response_mask", "advantages")
-COVERED_LOSSES: Dict[str, tuple] = {
-    # the four standard inputs
-    "ppo": STANDARD,
-    "gspo": STANDARD,
-    "topr": STANDARD,
-    "cispo": STANDARD,
-    "sapo": STANDARD,
-    "sppo": STANDARD,
-    "rec": STANDARD,
-    "importance_sampling": STANDARD,
-    "bapo": STANDARD,  # declares dp_group; with a one-rank group it must not change anything
-    # a subset of them
-    "opmd": ("response_mask", "advantages"),
-    "sft": ("response_mask",),
-    "sft_is": ("response_mask",),
-    "sft_phi": ("response_mask",),
-    # one more per-sample field, which the test batch carries
-    "dpo": ("ref_log_prob", "response_mask"),  # pairs (chosen, rejected): batch size is even
-    "mix": STANDARD + ("expert_mask",),
-    "mix_chord": STANDARD + ("expert_mask", "step"),
-}
-EXCLUDED_LOSSES: Dict[str, str] = {}  # name -> reason; empty: every registered loss runs here
 
 TIMEOUT = timedelta(seconds=30)  # a one-rank gloo group must never wait; fail instead of hang
 
@@ -137,28 +103,24 @@ RESPONSE_FIELDS = ("response_mask", "old_log_probs", "ref_log_prob", "advantages
 def build_batch(src, layout: str) -> TensorDict:
     """The micro-batch as the engine passes it to the loss.
 
-    `padded`: Trinity's trainer layout after `left_right_2_no_padding`: prompts / responses /
-    attention_mask and the response fields stay padded, `input_ids` becomes jagged and
-    `max_response_len` is recorded. (That helper needs flash-attn, absent on CPU, so the
-    same result is assembled here.)
-    `jagged`: verl's nested layout: prompts, responses and every response field are jagged.
+    `padded`: Trinity's trainer layout (`left_right_2_no_padding`): the response fields stay
+    padded, `input_ids` is jagged. `jagged`: verl's nested layout, every response field jagged.
     """
     gen = torch.Generator().manual_seed(1)
     ids, attention = _token_ids(gen)
     p_width, batch = max(PROMPT_LENS), len(PROMPT_LENS)
     per_sample = {"expert_mask": src["expert_mask"], "step": src["step"]}
     if layout == "padded":
-        fields = {
-            "prompts": ids[:, :p_width],
-            "responses": ids[:, p_width:],
-            "attention_mask": attention,
-            "input_ids": _jagged([ids[i][attention[i].bool()] for i in range(batch)]),
-            **{key: src[key].clone() for key in RESPONSE_FIELDS},
-            "response_mask": src["response_mask"].long(),  # the loss must accept non-bool masks
-            **per_sample,
-        }
-        data = TensorDict(fields, batch_size=[batch])
-        tu.assign_non_tensor_data(data, "max_response_len", max(RESPONSE_LENS))
+        prompt, response = (ids[:, :p_width], attention[:, :p_width]), (
+            ids[:, p_width:],
+            attention[:, p_width:],
+        )
+        data = trinity_layout(
+            *prompt, *response, src["old_log_probs"].clone(), src["advantages"].clone()
+        )
+        data["ref_log_prob"] = src["ref_log_prob"].clone()
+        data["response_mask"] = src["response_mask"].long()  # holes; the loss takes non-bool masks
+        data.update(per_sample)
         return data
     assert layout == "jagged"
     fields = {
@@ -275,30 +237,22 @@ def dp_group(tmp_path_factory):
 # --- registry ----------------------------------------------------------------------------------
 
 
-def registered_losses() -> List[str]:
-    # Registry has no public listing of its lazily imported names; the mapping is the registry.
-    return sorted(POLICY_LOSS_FN._default_mapping)
+# The registry has no public listing of its lazily imported names; the mapping is the registry.
+# Every registered loss (trinity-rft 0.6.0's 15 and bapo) runs on the batch below.
+REGISTERED = sorted(POLICY_LOSS_FN._default_mapping)
 
 
-def test_every_registered_loss_is_classified():
-    assert "bapo" in registered_losses()
-    assert set(COVERED_LOSSES) | set(EXCLUDED_LOSSES) == set(registered_losses())
-    assert not set(COVERED_LOSSES) & set(EXCLUDED_LOSSES)
-
-
-@pytest.mark.parametrize("name", registered_losses())
+@pytest.mark.parametrize("name", REGISTERED)
 def test_dp_group_is_never_a_data_key(name):
     loss_fn = POLICY_LOSS_FN.get(name)(backend="verl", **POLICY_LOSS_FN.get(name).default_args())
-    assert "dp_group" not in loss_fn.select_keys
-    if name in COVERED_LOSSES:  # and the keys it does read are the ones the table says
-        assert sorted(loss_fn.select_keys) == sorted(COVERED_LOSSES[name])
+    assert "dp_group" not in loss_fn.select_keys and "bapo" in REGISTERED
 
 
 # --- nothing changes for existing losses -------------------------------------------------------
 
 
 @pytest.mark.parametrize("layout", ["padded", "jagged"])
-@pytest.mark.parametrize("name", sorted(COVERED_LOSSES))
+@pytest.mark.parametrize("name", REGISTERED)
 def test_same_result_with_and_without_dp_group(name, layout, dp_group):
     src = _source()
     expected = called_directly(name, src)

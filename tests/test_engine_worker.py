@@ -1,6 +1,6 @@
 """From a Trinity YAML file to BAPO's decision, through Trinity's actor worker (CPU, gloo).
 
-The worker (``tests/engine_checks.py worker``) loads the YAML below with Trinity's
+The ``worker`` check of ``tests/engine_checks.py`` loads the YAML below with Trinity's
 ``load_config``, builds verl's config with ``build_verl_config``, starts
 ``TrinityActorRolloutRefWorker`` on 2 ranks (verl's ``TrainingWorker`` and FSDP2 engine inside),
 lets ``set_trinity_config`` install ``TrinityPolicyLoss`` and runs one ``update_actor``; only the
@@ -15,11 +15,6 @@ the same data; the ``actor/bapo_*`` metrics come back from ``update_actor``.
 
 import pytest
 
-from scripts.harness.launch import REPO, rank_records, torchrun
-
-TESTS = REPO / "tests"
-
-LAUNCH_TIMEOUT_S = 300  # a launch takes 30-60 s here; beyond this something hangs
 RANKS = 2
 BAPO_METRICS = (
     "bapo_clip_low",
@@ -77,33 +72,26 @@ trainer:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(launches, tmp_path_factory):
     """One update_actor per value of sync_across_dp written in the YAML."""
     results = {}
     for sync in (True, False):
         root = tmp_path_factory.mktemp(f"sync_{sync}")
         path = root / "config.yaml"
         path.write_text(CONFIG.format(root=root, sync=str(sync).lower(), ranks=RANKS))
-        argv = ["worker", "--out", root, "--config", path]
-        code, _, err, seconds = torchrun(RANKS, "engine_checks", argv, LAUNCH_TIMEOUT_S, path=TESTS)
-        records = rank_records(root, RANKS)
-        problems = [
-            f"rank {r}: " + (rec["error"] if rec else "no result")
-            for r, rec in enumerate(records)
-            if rec is None or "error" in rec
-        ]
-        status = "timed out" if code is None else f"exit code {code}"
-        assert code == 0 and not problems, (
-            f"sync={sync}: {status} after {seconds:.0f} s\n" + "\n".join(problems) + err[-3000:]
-        )
-        results[sync] = records
+        key = f"worker_sync_{sync}"
+        args = (RANKS, "engine_checks", ["worker"])
+        results[sync] = launches.check(key, "worker", *args, timeout=300, config=path)
     return results
 
 
 def pairs_per_call(records):
     calls = [record["calls"] for record in records]
     assert len({len(c) for c in calls}) == 1 and calls[0], "ranks made different call counts"
-    return [[tuple(call["pair"]) for call in per_call] for per_call in zip(*calls)]
+    pairs = [
+        [(c["metrics"]["bapo_clip_low"], c["metrics"]["bapo_clip_high"]) for c in r] for r in calls
+    ]
+    return list(zip(*pairs))
 
 
 @pytest.mark.parametrize("sync", [True, False])
@@ -111,8 +99,8 @@ def test_yaml_flag_reaches_the_loss_with_the_engine_group(runs, sync):
     for record in runs[sync]:
         assert record["loss_class"] == "TrinityPolicyLoss"
         assert record["engine_group"] == list(range(RANKS))
+        assert record["sync_across_dp"] is sync
         for call in record["calls"]:
-            assert call["sync_across_dp"] is sync
             assert call["group_ranks"] == record["engine_group"]
 
 
@@ -143,5 +131,5 @@ def test_update_actor_returns_the_bapo_metrics(runs, sync):
     for name in BAPO_METRICS:
         assert len(metrics[f"actor/{name}"]) == RANKS * len(records[0]["calls"]), name
     logged = sorted(zip(metrics["actor/bapo_clip_low"], metrics["actor/bapo_clip_high"]))
-    used = sorted(tuple(call["pair"]) for record in records for call in record["calls"])
+    used = sorted(pair for pairs in pairs_per_call(records) for pair in pairs)
     assert logged == used

@@ -1,7 +1,4 @@
-"""The bench's batches: the paper's grid and a micro-batch on which its target is never met.
-
-Imported by ``scripts/bench.py``, the data-parallel worker and the tests.
-"""
+"""The paper's grid and a micro-batch on which its target is never met (bench, DP worker, tests)."""
 
 from typing import Any, Dict, Tuple
 
@@ -26,12 +23,11 @@ PAPER_PATH_STEPS = 51  # (37 - 1) upper + (16 - 1) lower steps when the target i
 def bench_batch(
     shape: Tuple[int, ...], seed: int, negative_share: float = 0.85, device: Any = "cpu"
 ) -> Dict[str, torch.Tensor]:
-    """A timed micro-batch on which BAPO's paper target is never met.
+    """A float32 micro-batch on which BAPO's paper target is never met.
 
-    85% negative advantages keep rho near 0.15 on the whole paper grid, so Algorithm 1 walks
-    all 51 steps: the worst case for a per-candidate loop. Float32 log-probs near an off-policy
-    behaviour policy (log-ratio std 0.3, tokens on both sides of every paper bound), a bool
-    mask with ~10% padding, advantages of magnitude 0.1..1.1.
+    85% negative advantages keep rho near 0.15 on the whole grid, so Algorithm 1 walks all 51
+    steps, the worst case for a per-candidate loop. Log-ratio std 0.3 puts tokens on both sides
+    of every bound; the bool mask drops ~10%; advantages have magnitude 0.1..1.1.
     """
     g = torch.Generator().manual_seed(seed)
     old = -3.0 * torch.rand(shape, generator=g)

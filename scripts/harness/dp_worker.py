@@ -2,22 +2,20 @@
 
 ``python -m torch.distributed.run --nproc_per_node=N -m scripts.harness.dp_worker MODE ...``
 
-- ``checks --out DIR --checks a,b,... [--module dist_checks]``: the named checks of a module
-  (the tests' ``tests/dist_checks.py``, on ``PYTHONPATH``). Every rank runs them in order and
-  rewrites ``DIR/rank<R>.json`` after each one, with what it computed and the data it used.
-- ``bench --out FILE``: the bench's data-parallel figure (``scripts/bench.py``).
-- ``by-hand [--calls K] [--no-sync] [--group 0,1]``: prints every rank's pair per call and
-  whether the group agrees (``make dp-check``); exit 1 if synced ranks disagree.
+- ``checks --out DIR --checks a,b --module M [--option k=v]``: the named checks of module ``M``
+  (the tests' ``dist_checks`` and ``engine_checks``), in order; each rank rewrites
+  ``DIR/rank<R>.json`` after each one. Options reach the checks as ``ctx.options``.
+- ``bench --out FILE``: the bench's data-parallel figure.
+- ``by-hand [--calls K] [--no-sync] [--group 0,1]``: every rank's pair per call and whether the
+  group agrees (``make dp-check``); exit 1 if synchronised ranks disagree.
 
-Collectives are counted with a TorchDispatchMode that sees every ``c10d`` op, whichever Python
-path issued it, and only around the loss call. A failing check is recorded with its traceback
-and ends the run, since the other ranks may now wait in a collective this rank will never join
-(the process-group timeout turns that wait into their own recorded error).
+Collectives are counted by a TorchDispatchMode, which sees every ``c10d`` op whichever Python
+path issued it. A failing check ends the run at once, since its peers may be waiting in a
+collective it will never join; their process-group timeout records that as their own error.
 """
 
 import argparse
 import importlib
-import json
 import os
 import sys
 import time
@@ -25,78 +23,55 @@ import traceback
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from scripts.harness import cases as common
+from scripts.harness.cases import PAPER, bench_batch, search_inputs
 from scripts.harness.launch import write_record
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 
-GROUP_TIMEOUT = timedelta(seconds=40)
-
 
 class CollectiveCounter(TorchDispatchMode):
-    """The c10d ops (all_reduce, all_gather, barrier, ...) dispatched while active.
-
-    ``ops`` holds their names; ``values`` the element count each one sends (its first tensor
-    argument, or the first tensor of its first list argument).
-    """
+    """The c10d ops dispatched while active (``ops``) and the elements each one sends."""
 
     def __init__(self):
         """Start with no collective seen."""
         super().__init__()
-        self.ops = []
-        self.values = []
+        self.ops, self.values = [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        """Record c10d ops, then run every op unchanged."""
+        """Note c10d ops and their first tensor's size, then run every op unchanged."""
         if func.namespace == "c10d":
-            self.ops.append(str(func))
             first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+            self.ops.append(str(func))
             self.values.append(first.numel() if torch.is_tensor(first) else None)
         return func(*args, **(kwargs or {}))
 
 
 class Context:
-    """This rank's place in the job and its device."""
+    """This rank's place in the job, its seed and its device."""
 
     def __init__(self, args):
         """Read rank, world size, seed and device from the launch."""
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.seed, self.backend = args.seed, args.backend
-        if args.backend == "nccl":
-            self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        else:
-            self.device = torch.device("cpu")
+        self.rank, self.world, self.seed = dist.get_rank(), dist.get_world_size(), args.seed
+        self.options = dict(option.split("=", 1) for option in getattr(args, "option", []))
+        cuda = args.backend == "nccl"
+        self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else "cpu"
 
     def put(self, data):
         """Move a case's tensors to this rank's device."""
         return {key: value.to(self.device) for key, value in data.items()}
 
 
-def _plain(metrics):
-    """Metric values as JSON numbers (NaN becomes the string 'nan')."""
-    out = {}
-    for key, value in metrics.items():
-        value = float(value.item() if torch.is_tensor(value) else value)
-        out[key] = value if value == value else "nan"
-    return out
-
-
 def counted_call(loss_fn, **kwargs):
-    """Call the loss with the collective counter active; return (loss, metrics, counter)."""
+    """Call the loss under a collective counter; return the loss and what a driver reads."""
     with CollectiveCounter() as counter:
         loss, metrics = loss_fn(**kwargs)
-    return loss, metrics, counter
-
-
-def run_record(loss, metrics, counter):
-    """What a driver reads of one call: metrics, loss, collectives and their sizes."""
-    return {
-        "metrics": _plain(metrics),
+    plain = {k: float(v.item() if torch.is_tensor(v) else v) for k, v in metrics.items()}
+    return loss, {
+        "metrics": {k: v if v == v else "nan" for k, v in plain.items()},  # NaN is not JSON
         "loss": float(loss),
         "collectives": counter.ops,
         "values": counter.values,
@@ -104,26 +79,16 @@ def run_record(loss, metrics, counter):
 
 
 def call_bapo(ctx, loss_fn, data, group):
-    """Call BAPO on one case with ``group``; return metrics, loss and collectives."""
+    """Call BAPO on one case (``logprob``, ``old_logprob``, ``mask``, ``advantages``)."""
     data = ctx.put(data)
-    return run_record(
-        *counted_call(
-            loss_fn,
-            logprob=data["logprob"],
-            old_logprob=data["old_logprob"],
-            action_mask=data["mask"],
-            advantages=data["advantages"],
-            dp_group=group,
-        )
-    )
-
-
-def counted(fn):
-    """(c10d ops, values sent by all-reduces) of one call of ``fn``."""
-    with CollectiveCounter() as counter:
-        fn()
-    sent = [v for op, v in zip(counter.ops, counter.values) if "allreduce" in op]
-    return len(counter.ops), sum(v or 0 for v in sent)
+    return counted_call(
+        loss_fn,
+        logprob=data["logprob"],
+        old_logprob=data["old_logprob"],
+        action_mask=data["mask"],
+        advantages=data["advantages"],
+        dp_group=group,
+    )[1]
 
 
 def gather_rows(row: torch.Tensor):
@@ -134,54 +99,52 @@ def gather_rows(row: torch.Tensor):
 
 
 def run_bench(args) -> int:
-    """Time the per-candidate search and ours on every rank; rank 0 writes ``--out``.
+    """Time the per-candidate search, ours and the loss on every rank; rank 0 writes ``--out``.
 
     Each repeat starts at a barrier and makes ``--calls-per-repeat`` calls back to back, as a
-    trainer calls the loss micro-batch after micro-batch; a step waits for its slowest rank, so
-    a repeat counts the slowest rank's time per call, and the figure is the median over repeats.
+    trainer calls the loss micro-batch after micro-batch. A step waits for its slowest rank, so
+    a repeat counts the slowest rank's time per call; the figure is the median over repeats.
     """
     from scripts.bench import literal_search
 
     rank, group = dist.get_rank(), dist.group.WORLD
     rows = max(1, args.tokens_per_rank // 1024)
-    batch = common.bench_batch((rows, min(args.tokens_per_rank, 1024)), seed=1000 + rank)
-    ratio, adv, mask, finite = common.search_inputs(batch)
-    loss_fn = BAPOPolicyLossFn(**common.PAPER)
-    unsynced = BAPOPolicyLossFn(**common.PAPER, sync_across_dp=False)
+    batch = bench_batch((rows, min(args.tokens_per_rank, 1024)), seed=1000 + rank)
+    ratio, adv, mask, finite = search_inputs(batch)
+    loss_fn = BAPOPolicyLossFn(**PAPER)
     search, all_reduce = loss_fn.search, lambda t: dist.all_reduce(t, group=group)
     contenders = {
-        "literal": lambda: literal_search(ratio, adv, mask, common.PAPER, all_reduce),
+        "literal": lambda: literal_search(ratio, adv, mask, PAPER, all_reduce),
         "ours": lambda: search.decide(
             loss_fn.sync.reduce(search.local_sums(ratio, adv, mask, finite), group)
         ),
         "loss": lambda: loss_fn(**batch, dp_group=group),
     }
-    samples: Dict[str, List[float]] = {name: [] for name in contenders}
+    samples = torch.zeros(len(contenders), args.repeats, dtype=torch.float64)
     for i in range(args.warmup + args.repeats):
-        for name, call in contenders.items():
+        for k, call in enumerate(contenders.values()):
             dist.barrier()
             start = time.perf_counter()
             for _ in range(args.calls_per_repeat):
                 call()
             if i >= args.warmup:
-                samples[name].append((time.perf_counter() - start) / args.calls_per_repeat)
-    synced, values = counted(contenders["loss"])
-    unsynced_ops, _ = counted(lambda: unsynced(**batch, dp_group=group))
-    literal_ops, _ = counted(contenders["literal"])
-    _, metrics = loss_fn(**batch, dp_group=group)
-    mine = [metrics["bapo_clip_low"], metrics["bapo_clip_high"], metrics["bapo_search_steps"]]
-    pairs = gather_rows(torch.tensor([*contenders["literal"](), *mine], dtype=torch.float64))
-    parts = [gather_rows(t.reshape(-1).double()) for t in (ratio, adv, mask, finite)]
-    union = [torch.tensor(sum(p, [])) for p in parts]
-    single = search.decide(search.local_sums(union[0], union[1], union[2].bool(), union[3].bool()))
-    times = gather_rows(
-        torch.tensor([samples[n] for n in contenders], dtype=torch.float64).reshape(-1)
-    )
+                samples[k, i - args.warmup] = (time.perf_counter() - start) / args.calls_per_repeat
+    _, synced = counted_call(loss_fn, **batch, dp_group=group)
+    unsynced = BAPOPolicyLossFn(**PAPER, sync_across_dp=False)
+    ops = {
+        "loss_synced": len(synced["collectives"]),
+        "loss_synced_values": sum(v or 0 for v in synced["values"]),
+        "loss_unsynced": len(counted_call(unsynced, **batch, dp_group=group)[1]["collectives"]),
+    }
+    with CollectiveCounter() as counter:
+        literal = contenders["literal"]()
+    ops["literal"] = len(counter.ops)
+    mine = [synced["metrics"][f"bapo_{key}"] for key in ("clip_low", "clip_high", "search_steps")]
+    pairs = gather_rows(torch.tensor([*literal, *mine], dtype=torch.float64))
+    slowest = torch.tensor(gather_rows(samples.reshape(-1))).amax(0).reshape(samples.shape)
     if rank == 0:
-        slowest = torch.tensor(times).amax(0).reshape(len(contenders), -1)
-        medians = {n: slowest[k].median().item() for k, n in enumerate(contenders)}
+        medians = {name: slowest[k].median().item() for k, name in enumerate(contenders)}
         agree = all(row == pairs[0] for row in pairs)
-        union_pair = [single.clip_low, single.clip_high, float(single.steps)]
         result = {
             "world_size": dist.get_world_size(),
             "tokens_per_rank": ratio.numel(),
@@ -189,29 +152,21 @@ def run_bench(args) -> int:
             "calls_per_repeat": args.calls_per_repeat,
             "median_s": medians,
             "speedup": medians["literal"] / medians["ours"],
-            "collectives": {
-                "loss_synced": synced,
-                "loss_synced_values": values,
-                "loss_unsynced": unsynced_ops,
-                "literal": literal_ops,
-            },
+            "collectives": ops,
             "literal_pair": pairs[0][:3],
             "ours_pair": pairs[0][3:],
-            "union_pair": union_pair,
             "ranks_agree": agree,
-            "same_pair": agree and pairs[0][:3] == pairs[0][3:] == union_pair,
+            "same_pair": agree and pairs[0][:3] == pairs[0][3:],
         }
-        Path(args.out).write_text(json.dumps(result))
+        write_record(Path(args.out), result)
     return 0
 
 
 def run_by_hand(args) -> int:
     """Print every rank's pair per call and whether the group agrees; 1 if synced ones differ."""
     ctx = Context(args)
-    members = (
-        sorted({int(r) for r in args.group.split(",")}) if args.group else list(range(ctx.world))
-    )
-    group = dist.new_group(members) if args.group else dist.group.WORLD
+    members = sorted({int(r) for r in args.group.split(",")}) if args.group else range(ctx.world)
+    group = dist.new_group(list(members)) if args.group else dist.group.WORLD
     loss_fn = BAPOPolicyLossFn(contribution=args.contribution, sync_across_dp=not args.no_sync)
     disagreements = 0
     for call in range(args.calls):
@@ -220,7 +175,7 @@ def run_by_hand(args) -> int:
             # odd ranks mostly negative, even ones balanced: alone they choose apart, and together
             # (rho below the target) the group still has to move
             shape, share = (3 + ctx.rank, 40), 0.9 if ctx.rank % 2 else 0.5
-            batch = common.bench_batch(shape, 100 * args.seed + 10 * ctx.rank + call, share)
+            batch = bench_batch(shape, 100 * args.seed + 10 * ctx.rank + call, share)
             _, m = loss_fn(**ctx.put(batch), dp_group=group)
             keys = ("bapo_clip_low", "bapo_clip_high", "bapo_positive_contribution")
             row = torch.tensor([m[key] for key in keys], dtype=torch.float64)
@@ -241,7 +196,7 @@ def run_checks(args) -> int:
     checks = importlib.import_module(args.module).CHECKS
     ctx = Context(args)
     path = args.out / f"rank{ctx.rank}.json"
-    record = {"rank": ctx.rank, "world": ctx.world, "backend": args.backend, "checks": {}}
+    record: dict = {"rank": ctx.rank, "world": ctx.world, "checks": {}}
     for name in args.checks.split(","):
         try:
             record["checks"][name] = checks[name](ctx)
@@ -263,6 +218,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     checks.add_argument("--out", required=True, type=Path)
     checks.add_argument("--checks", required=True, help="comma list of check names")
     checks.add_argument("--module", default="dist_checks", help="where the checks live")
+    checks.add_argument("--option", action="append", default=[], help="KEY=VALUE for the checks")
     bench = modes.add_parser("bench")
     bench.add_argument("--out", required=True)
     bench.add_argument("--tokens-per-rank", type=int, default=16384)
@@ -277,6 +233,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for mode in (checks, bench, by_hand):
         mode.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
         mode.add_argument("--seed", type=int, default=0)
+        mode.add_argument("--group-timeout", type=float, default=40.0, help="seconds")
     return parser.parse_args(argv)
 
 
@@ -287,7 +244,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", category=UserWarning)
     if args.backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(args.backend, timeout=GROUP_TIMEOUT)
+    dist.init_process_group(args.backend, timeout=timedelta(seconds=args.group_timeout))
     code = {"checks": run_checks, "bench": run_bench, "by-hand": run_by_hand}[args.mode](args)
     dist.barrier()
     dist.destroy_process_group()

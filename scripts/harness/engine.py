@@ -1,13 +1,10 @@
-"""verl 0.8's FSDP training engine on CPU (gloo): build it, lay batches out for it, read it back.
+"""verl 0.8's ``FSDPEngineWithLMHead`` on CPU (gloo): build it, lay batches out, read it back.
 
-``FSDPEngineWithLMHead`` is the engine Trinity's actor worker trains with. It runs unchanged on
-CPU once ``torch.distributed`` uses gloo, given eager attention (the default is
-flash-attention) and no ``torch.compile``; the parameters stay fp32 (the default mixed
-precision computes in bf16), so that its log-probs and a plain fp32 copy's agree. Each
-``engine.train_batch(batch, loss_function=...)`` does what Trinity's actor does in
-``update_actor``: split the rank's batch into micro-batches (the same count on every rank of the
-data-parallel group), forward, call the loss with ``dp_group=engine.get_data_parallel_group()``,
-backward, clip and step. ``cpu_stand_ins`` names the few things a CPU-only machine lacks.
+The engine Trinity's actor trains with runs unchanged on CPU given gloo, eager attention and no
+``torch.compile``. Parameters stay fp32 (the default mixed precision computes in bf16) so that
+the engine's log-probs and a plain fp32 copy's agree. ``engine.train_batch`` then does what
+Trinity's ``update_actor`` does: split the batch into micro-batches, forward, call the loss with
+``dp_group=engine.get_data_parallel_group()``, backward, clip and step.
 """
 
 from pathlib import Path
@@ -31,9 +28,9 @@ def build_engine(
     micro_batch_size: int = 4,
     seed: int = 0,
 ):
-    """An initialised ``FSDPEngineWithLMHead`` with AdamW (no weight decay), clip 1.0, fp32.
+    """An initialised engine with AdamW (no weight decay), gradient clipping at 1.0, fp32.
 
-    ``sp_size > 1`` turns on Ulysses sequence parallelism, which verl allows only with
+    ``sp_size > 1`` is Ulysses sequence parallelism, which verl allows only with
     ``use_remove_padding``; the data-parallel group is then the mesh's ``dp`` dimension.
     """
     from verl.trainer.config import CheckpointConfig
@@ -63,13 +60,10 @@ def build_engine(
     return engine
 
 
-def engine_batch(
-    data: TensorDict, micro_batch_size: int, use_remove_padding=False, calculate_entropy=False
-) -> TensorDict:
-    """Add the non-tensor fields the engine reads to a rank's no-padding batch.
+def engine_batch(data: TensorDict, micro_batch_size: int, use_remove_padding=False) -> TensorDict:
+    """Add the non-tensor fields the engine reads: ``len(data) // micro_batch_size`` micro-batches.
 
-    With a fixed micro-batch size the engine makes ``len(data) // micro_batch_size``
-    micro-batches; ``temperature`` 1 keeps the log-probs those of the sampling distribution.
+    ``temperature`` 1 keeps the log-probs those of the sampling distribution.
     """
     tu.assign_non_tensor(
         data,
@@ -77,7 +71,7 @@ def engine_batch(
         micro_batch_size_per_gpu=micro_batch_size,
         use_remove_padding=use_remove_padding,
         temperature=1.0,
-        calculate_entropy=calculate_entropy,
+        calculate_entropy=False,
         use_fused_kernels=False,
     )
     return data
@@ -91,11 +85,10 @@ def trinity_layout(
     old_log_probs: torch.Tensor,
     advantages: torch.Tensor,
 ) -> TensorDict:
-    """A padded batch converted as Trinity's trainer converts it for the actor.
+    """A padded batch converted by Trinity's own ``left_right_2_no_padding``, as its trainer does.
 
-    ``left_right_2_no_padding`` (Trinity's own) makes ``input_ids`` and ``position_ids`` jagged
-    over the real tokens, copies ``response_mask`` into ``loss_mask`` and records
-    ``max_seq_len`` / ``max_response_len`` / ``indices``.
+    That makes ``input_ids`` and ``position_ids`` jagged over the real tokens, copies
+    ``response_mask`` into ``loss_mask`` and records ``max_seq_len`` and ``max_response_len``.
     """
     from trinity.trainer.verl.monkey_patch import left_right_2_no_padding
 
@@ -117,36 +110,25 @@ def trinity_layout(
     return left_right_2_no_padding(data)
 
 
-def torch_unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor):
-    """``flash_attn.bert_padding.unpad_input``'s first four results, in plain torch.
-
-    The kept rows of ``hidden_states`` (batch x seq x ...) in row-major order, their flat
-    indices, the cumulative sequence lengths starting at 0, and the longest length.
-    """
-    lengths = attention_mask.sum(dim=-1, dtype=torch.int32)
-    indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
-    cu_seqlens = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
-    flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
-    return flat[indices], indices, cu_seqlens, int(lengths.max())
-
-
 def use_torch_unpad_input() -> None:
-    """Point Trinity's ``left_right_2_no_padding`` at ``torch_unpad_input`` (no flash-attn)."""
+    """Give Trinity's ``left_right_2_no_padding`` transformers' torch ``unpad_input``.
+
+    Trinity imports flash-attn's, which a CPU machine lacks; verl's NPU path uses this one.
+    """
+    from transformers.modeling_flash_attention_utils import _unpad_input
+
     import trinity.trainer.verl.monkey_patch as trinity_patch
 
-    trinity_patch.unpad_input = torch_unpad_input
+    trinity_patch.unpad_input = _unpad_input
 
 
 def cpu_stand_ins(fsdp1: bool = False, worker: bool = False) -> None:
     """What a CPU-only machine lacks, and only that.
 
-    Always: ``torch.cpu.empty_cache`` (verl's memory helpers call it) as a no-op if missing.
-    ``fsdp1``: FSDP1 refuses CPU module states under ``sync_module_states=True`` (which verl
-    always sets), though gloo broadcasts them fine: skip that one check, keep the broadcast.
-    ``worker``
-    (Trinity's actor worker): register the engine for device ``cpu`` (verl lists it for
-    ``cuda`` and ``npu``), zero memory counters, and CUDA capability (0, 0), so that Trinity's
-    ``_build_module`` builds the model on CPU on every rank rather than on the meta device.
+    Always ``torch.cpu.empty_cache`` (verl's memory helpers call it). ``fsdp1``: skip FSDP1's
+    refusal of CPU module states under ``sync_module_states`` (gloo broadcasts them fine).
+    ``worker`` (Trinity's actor worker): register the engine for device ``cpu``, zero memory
+    counters and CUDA capability (0, 0), so that ``_build_module`` builds the model on CPU.
     """
     if not hasattr(torch.cpu, "empty_cache"):
         torch.cpu.empty_cache = lambda: None  # type: ignore[attr-defined]
@@ -159,9 +141,9 @@ def cpu_stand_ins(fsdp1: bool = False, worker: bool = False) -> None:
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
         EngineRegistry.register("language_model", ["fsdp", "fsdp2"], "cpu")(FSDPEngineWithLMHead)
-        counters = ("max_memory_allocated", "max_memory_reserved", "memory_allocated")
-        for name in (*counters, "memory_reserved"):
+        for name in ("max_memory_allocated", "max_memory_reserved", "memory_allocated"):
             setattr(torch.cpu, name, lambda *args, **kwargs: 0)
+        torch.cpu.memory_reserved = torch.cpu.memory_allocated  # type: ignore[attr-defined]
         torch.cuda.get_device_capability = lambda *args, **kwargs: (0, 0)
         use_torch_unpad_input()
 

@@ -1,8 +1,7 @@
-"""The one torchrun launcher: start ``python -m <module>`` on N ranks, under a timeout.
+"""The one torchrun launcher: ``python -m <module>`` on N ranks, under a timeout.
 
-``torchrun --standalone`` picks a free rendezvous port itself. On timeout the whole process
-group the launch started is killed, so no worker outlives its caller. Workers write
-``<out>/rank<r>.json``; ``rank_records`` reads them back (None where a rank wrote nothing).
+On timeout the launch's whole process group is killed, so no worker outlives its caller.
+Workers write ``<out>/rank<r>.json``; ``rank_records`` reads them back.
 """
 
 import json

@@ -1,8 +1,6 @@
-"""The tiny causal LM and its sampler.
+"""The tiny causal LM (a 2-layer Llama built in code, nothing downloaded) and its sampler.
 
-A 2-layer Llama built from a config in code (random init, no download). Training runs inside
-verl's engine (``harness.engine``), which loads the model from a folder; sampling runs here, on
-a plain copy whose weights are gathered from the engine, with padded forwards.
+The engine trains a copy loaded from a folder; sampling runs here on a plain copy of its weights.
 """
 
 from pathlib import Path
@@ -72,10 +70,9 @@ def sample_responses(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample up to ``response_len`` tokens per row at temperature 1.
 
-    Returns right-padded ``responses``, ``response_mask``, the log-prob of each sampled token
-    (what an inference engine would report) and the entropy of the sampling distribution at
-    each position, both masked to 0. A response ends with (and includes) its first EOS; with
-    ``goal`` (rows x vocabulary, bool), a row also ends once it holds all its goal tokens.
+    Returns right-padded responses, their mask, each sampled token's log-prob (what an inference
+    engine reports) and the sampling entropy, both 0 where masked. A response ends with its
+    first EOS, or with ``goal`` (rows x vocabulary) once it holds all its goal tokens.
     """
     batch = prompts.shape[0]
     ids, mask = prompts, prompt_mask

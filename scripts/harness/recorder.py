@@ -1,9 +1,8 @@
-"""The one loss recorder: it sits where ``TrinityPolicyLoss`` keeps its policy loss.
+"""The one loss recorder, put where ``TrinityPolicyLoss`` keeps its policy loss.
 
-Every call goes through to the real loss unchanged; the recorder notes which group arrived
-(and whether it is the one the engine holds), the metrics, and, when asked, the tensors the
-loss saw, so that a driver can rerun the oracle on them. Every other attribute is the real
-loss's (``select_keys`` in particular), so ``TrinityPolicyLoss`` reads the same batch fields.
+Each call goes to the real loss unchanged; the recorder notes the group that arrived, the
+metrics and, if asked, the inputs, for a driver to rerun the oracle on. Every other attribute
+(``select_keys`` in particular) is the real loss's.
 """
 
 from typing import Dict, List

@@ -1,9 +1,7 @@
 """The trainer's metrics.jsonl files as summaries, a table and a figure (demo and experiment).
 
-"Final" means the mean over the last ``FINAL_SHARE`` of a run's steps (at least one step), since
-a single step's fresh-sample reward is noisy. A run's reward "collapsed" when that final mean is
-below ``COLLAPSE_FRACTION`` of the best mean over any earlier window of the same length: it
-reached something and lost most of it.
+"Final" is the mean over the last ``FINAL_SHARE`` of a run's steps, since one step's reward is
+noisy. A run "collapsed" when that mean is below ``COLLAPSE_FRACTION`` of its best window's.
 """
 
 import json
@@ -61,7 +59,7 @@ def collapsed(rows: Sequence[Dict]) -> bool:
 
 
 def _mean_of(rows: Sequence[Dict], key: str) -> float:
-    values = [r[key] for r in rows if r.get(key) is not None]
+    values = [r[key] for r in rows if r[key] is not None]
     return statistics.fmean(values) if values else float("nan")
 
 

@@ -1,19 +1,15 @@
 """Two verifiable tasks on which wrong answers are long, and GRPO's group advantages.
 
-A prompt is 2 to 4 distinct content tokens followed by SEP; a response is at most
-``RESPONSE_LEN`` tokens.
+A prompt is 2 to 4 distinct content tokens and SEP; a response has at most ``RESPONSE_LEN``.
 
-- ``stop``: the response ends with its first EOS, and scores
-  ``|distinct prompt tokens in the body| / max(len(body), k)`` (k = prompt size; the body is
-  the response before EOS). A response that reaches the limit without EOS is truncated and
-  scores 0, as truncated reasoning does. The best answer lists every prompt token once, then
-  EOS. The answers that fail most ramble on to the limit, so under GRPO the negative advantages
-  ride on about twice as many tokens as the positive ones: the imbalance BAPO's paper names
-  (arXiv 2510.18927, Sec. 3).
-- ``cover``: the environment ends a response as soon as it holds every prompt token, as a
-  verifier ends an episode once the goal is reached, and scores it ``k / len(response)``; a
-  response that ends at EOS or at the limit without covering the prompt scores 0. Every success
-  is short by construction, and a failure is as long as the policy keeps going.
+- ``stop``: the body (the response before its first EOS) scores
+  ``|distinct prompt tokens in it| / max(len(body), k)``, k the prompt's size; a response
+  truncated at the limit scores 0, as truncated reasoning does. Failures ramble on to the
+  limit, so negative advantages ride on about twice as many tokens as positive ones: the
+  imbalance BAPO's paper names (arXiv 2510.18927, Sec. 3).
+- ``cover``: the environment ends a response once it holds every prompt token, as a verifier
+  ends an episode, and scores it ``k / len(response)``; ending at EOS or the limit first scores
+  0. Every success is short by construction, a failure as long as the policy goes on.
 """
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple

@@ -1,17 +1,15 @@
 """The one trainer: GRPO on stale rollouts through verl's ``FSDPEngineWithLMHead``.
 
-A step: on every rank the rollout policy, a copy of the engine's weights ``lag`` steps old,
-answers ``prompts`` prompts ``group_size`` times; GRPO turns the rewards into advantages, and
-``old_log_probs`` are the rollout policy's own log-probs of the tokens it drew (Trinity's
-asynchronous mode), so the ratio measures the staleness. The batch, laid out as Trinity's
-trainer hands it to the actor, trains for ``epochs`` passes over ``mini_batches`` mini-batches,
-one ``engine.train_batch`` (one optimizer update) each; the engine splits a mini-batch into
-``micro_batches`` calls of Trinity's ``TrinityPolicyLoss``, each handed the engine's
-data-parallel group. Then the current policy answers a fixed set of evaluation prompts afresh:
-that reward and its token entropy are the step's figures. Rank 0 writes one JSON line a step.
+Each step, every rank's rollout policy (the engine's weights ``lag`` steps ago) answers
+``prompts`` prompts ``group_size`` times, and its own log-probs of the drawn tokens are the
+``old_log_probs``, as in Trinity's asynchronous mode. The batch, in the layout Trinity's trainer
+hands the actor, trains ``epochs`` passes of ``mini_batches`` ``engine.train_batch`` calls; the
+engine calls ``TrinityPolicyLoss`` ``micro_batches`` times per update with its data-parallel
+group. The step's figures are the reward and entropy of fresh answers to fixed evaluation
+prompts; rank 0 writes one JSON line per step.
 
-``make demo`` runs it on 2 ranks (``python -m torch.distributed.run --nproc_per_node=2 -m
-scripts.harness.trainer ...``); ``make experiment`` calls ``train`` in processes of one rank.
+``make demo`` runs it under torchrun on 2 ranks; ``make experiment`` calls ``train`` in one-rank
+processes.
 """
 
 import argparse
@@ -112,11 +110,7 @@ def surrogate_sums(inputs: Dict, low: float, high: float) -> List[float]:
 
 
 def summarise_calls(calls: List[Dict], run: Variant) -> List[Dict]:
-    """The pair each loss call used, rho there, and the clip fraction.
-
-    ``rho_surrogate`` is Eq. 8 recomputed here on the tokens of every rank (P and N summed
-    over them, as the synchronised search sums them).
-    """
+    """The pair each call used and rho there (``rho_surrogate``: Eq. 8 over every rank's tokens)."""
     out = []
     for call in calls:
         m, (low, high) = call["metrics"], run.start
@@ -180,7 +174,6 @@ def step_row(step: int, lag: int, calls: List[Dict], norms, fresh, stats) -> Dic
         "rho": sum(c["rho"] for c in calls) / n,
         "rho_surrogate": sum(c["rho_surrogate"] for c in calls) / n,
         "moved": any(c["moved"] for c in calls),
-        "moved_calls": sum(c["moved"] for c in calls),
         "clipfrac": sum(c["clipfrac"] for c in calls) / n,
         "grad_norm": sum(norms) / len(norms),
     }
@@ -261,12 +254,8 @@ def train(run: Variant, seed: int, setting: Setting, out: Path, log_every: int =
 
 def progress_line(name: str, row: Dict) -> str:
     """One step's metrics as a console line."""
-    low, high = (sum(p[i] for p in row["pairs"]) / len(row["pairs"]) for i in (0, 1))
-    return (
-        f"[{name}] step {row['step']:4d}  reward {row['reward']:.3f}  entropy "
-        f"{row['entropy']:.3f}  clip ({low:.2f}, {high:.2f})  rho {row['rho']:.3f}  "
-        f"agree {row['ranks_agree']}  {row['wall_s']:.0f}s"
-    )
+    figures = "  ".join(f"{key} {row[key]:.3f}" for key in ("reward", "entropy", "rho"))
+    return f"[{name}] step {row['step']}  {figures}  agree {row['ranks_agree']}"
 
 
 def require_patched_trinity() -> None:

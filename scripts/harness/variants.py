@@ -1,8 +1,7 @@
 """The clipping schemes compared, each a registered Trinity policy loss with its arguments.
 
-``loss_config`` builds the ``AlgorithmConfig`` that ``TrinityPolicyLoss`` takes, with the loss
-alone (no KL, no entropy bonus). ``start`` is the pair a variant uses when nothing moves it, so
-a call "moved the bounds" when it used another pair.
+``start`` is the pair a variant uses when nothing moves it: a call that used another pair
+"moved the bounds".
 """
 
 from typing import Dict, List, NamedTuple

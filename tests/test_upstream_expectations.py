@@ -1,0 +1,75 @@
+"""The literal numbers of the upstream unit test (tests/algorithm/) are the oracle's.
+
+That test states its expectations as literals, as Trinity's policy loss tests do. Here each of
+its methods runs with ``check`` recording what it expects, and the literal Algorithm 1 (or the
+authors' loops) of ``bapo_reference`` and the clipped loss in plain Python over the test's own
+inputs must give the same numbers.
+"""
+
+import math
+
+import pytest
+
+import algorithm.bapo_policy_loss_test as upstream
+import bapo_reference as ref
+from trinity.algorithm.policy_loss_fn import POLICY_LOSS_FN
+
+
+def stated(method: str):
+    """What the method expects, and the advantage shift and overrides it runs BAPO with."""
+    case, seen = upstream.BAPOPolicyLossTest(method), {}
+    case.setUp()
+    real_run = case.run_bapo
+
+    def run(advantage_shift=0.0, **overrides):
+        seen.update(shift=advantage_shift, overrides=overrides)
+        return real_run(advantage_shift, **overrides)
+
+    case.run_bapo, case.check = run, lambda loss, metrics, expected: seen.update(expected=expected)
+    getattr(case, method)()
+    return case, seen
+
+
+def oracle(case, shift, overrides):
+    """The pair from the literal search, then PPO's clipped token-mean loss and metrics there."""
+    args = {**POLICY_LOSS_FN.get("bapo").default_args(), **overrides}
+    batch = case.input_data.batch
+    adv = batch["advantages"] + shift
+    tokens = ref.token_lists(case.logprob, batch["old_log_probs"], batch["response_mask"], adv)
+    search = ref.algorithm1 if args["search_order"] == "upper_first" else ref.authors_order
+    grid = [args[f"ratio_{s}_{p}"] for s in ("lower", "upper") for p in ("start", "max", "step")]
+    rule = (args["contribution"], args["clip_ratio_c"])
+    low, high, steps = search(tokens, *grid, args["positive_contribution_target"], *rule)
+    losses, clipped, dual = [], 0, 0
+    for r, a, _ in tokens:
+        loss = max(-a * r, -a * min(max(r, low), high))
+        clipped += loss > -a * r
+        if a < 0:
+            dual += loss > -a * args["clip_ratio_c"]
+            loss = min(loss, -a * args["clip_ratio_c"])
+        losses.append(loss)
+    share, n = ref.rho(tokens, low, high, *rule), len(tokens)
+    log_ratios = (case.logprob - batch["old_log_probs"])[batch["response_mask"]]
+    return {
+        "pg_loss": sum(losses) / n,
+        "pg_clipfrac": clipped / n,
+        "pg_clipfrac_lower": dual / n,
+        "ppo_kl": -float(log_ratios.double().sum()) / n,
+        "bapo_clip_low": low,
+        "bapo_clip_high": high,
+        "bapo_search_steps": steps,
+        "bapo_positive_contribution": share,
+        "bapo_target_met": float(share >= args["positive_contribution_target"]),
+    }
+
+
+METHODS = sorted(name for name in dir(upstream.BAPOPolicyLossTest) if name.startswith("test_"))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_stated_numbers_are_the_oracles(method):
+    case, seen = stated(method)
+    want = oracle(case, seen["shift"], seen["overrides"])
+    assert set(seen["expected"]) == set(want)
+    for key, value in want.items():
+        assert math.isclose(seen["expected"][key], value, rel_tol=1e-6, abs_tol=1e-9), key
