@@ -21,7 +21,6 @@ from scripts.harness import report
 from scripts.harness.launch import tail, torchrun
 from scripts.harness.variants import variant
 
-ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("ppo_clip_higher", "bapo_paper")
 
 
@@ -56,7 +55,6 @@ def main(argv=None) -> int:
     """Launch, collect, plot, judge; returns the exit status."""
     args, started = parse_args(argv), time.time()
     shutil.rmtree(args.out, ignore_errors=True)  # never report a previous run's numbers
-    args.out.mkdir(parents=True)
     print(f"{args.ranks} gloo ranks, {', '.join(VARIANTS)}, {args.steps} steps each", flush=True)
     launch = torchrun(
         args.ranks, "scripts.harness.trainer", trainer_argv(args), args.timeout, sys.stdout
@@ -71,15 +69,11 @@ def main(argv=None) -> int:
         f"of 8, rollout policy {args.lag} steps stale, seed {args.seed}"
     )
     labels = {name: variant(name).label for name in VARIANTS}
-    report.plot({"demo": {n: [r] for n, r in rows.items()}}, labels, args.out / "report.png", title)
-    if not args.no_docs:
-        shutil.copyfile(args.out / "report.png", ROOT / "docs" / "demo_report.png")
+    docs = None if args.no_docs else "demo_report.png"
+    report.plot(
+        {"demo": {n: [r] for n, r in rows.items()}}, labels, args.out / "report.png", title, docs
+    )
     summaries = {name: report.run_summary(r) for name, r in rows.items()}
-    for name, s in summaries.items():
-        print(
-            f"{name}: reward {s['first_reward']:.3f} -> {s['final_reward']:.3f}, final entropy "
-            f"{s['final_entropy']:.3f}, bounds moved at {s['moved_share']:.0%} of steps"
-        )
     checks = {
         k: all(s[k] for s in summaries.values()) for k in ("ranks_agree", "dp_group_forwarded")
     }

@@ -1,8 +1,8 @@
 """`make experiment`: PPO, clip-higher, a fixed-pair ablation and three BAPO settings on stale data.
 
-Every variant x seed x staleness level is one run of the harness trainer (verl's engine, one gloo
-rank) on the same seeds and data order, ``--workers`` runs at a time. Writes
-``<out>/<level>/<variant>/seed<k>/metrics.jsonl``, ``table.md``, ``summary.json`` and
+Each staleness level x seed is one launch of the harness trainer on one gloo rank, training the
+six variants in turn on the same seed and data order; ``--workers`` launches run at a time.
+Writes ``<out>/<level>/seed<k>/<variant>/metrics.jsonl``, ``table.md``, ``summary.json`` and
 ``report.png`` (copied to ``docs/experiment_report_<task>.png`` unless ``--quick`` or
 ``--no-docs``); the last stdout line is one JSON object. Exit status 2 when a run did not finish.
 Run: python -m scripts.experiment [--task stop|cover] [--quick]
@@ -10,16 +10,16 @@ Run: python -m scripts.experiment [--task stop|cover] [--quick]
 
 import argparse
 import json
-import multiprocessing as mp
 import shutil
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from scripts.harness import report
+from scripts.harness.launch import tail, torchrun
+from scripts.harness.variants import all_variants
 
-ROOT = Path(__file__).resolve().parents[1]
 # (steps the rollout policy lags, epochs over each batch). With two mini-batches a step,
 # "stale" trains on data 8 to 11 optimizer updates old.
 LEVELS = {"near_on_policy": (0, 1), "stale": (2, 2)}
@@ -33,11 +33,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--task", choices=("stop", "cover"), default="stop")
     p.add_argument("--steps", type=int, default=250, help="training steps per run")
     p.add_argument("--seeds", type=int, default=3, help="seeds per variant and level")
-    p.add_argument("--workers", type=int, default=2, help="runs trained in parallel")
+    p.add_argument("--workers", type=int, default=2, help="launches trained in parallel")
     p.add_argument("--out", default="runs/experiment", type=Path, help="output folder")
     p.add_argument("--quick", action="store_true", help="6 steps, 2 seeds: a smoke run")
     p.add_argument("--no-docs", action="store_true", help="do not copy the figure to docs/")
-    p.add_argument("--timeout", type=float, default=7200.0, help="seconds before giving up")
+    p.add_argument("--timeout", type=float, default=7200.0, help="seconds per launch")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.seeds = 6, 2
@@ -46,79 +46,41 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def init_worker() -> None:
-    """Per process: one torch thread, a one-rank gloo group, the patched Trinity required."""
-    import os
-    import warnings
-
-    import torch
-    import torch.distributed as dist
-
-    from scripts.harness.trainer import require_patched_trinity
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    warnings.filterwarnings("ignore")
-    require_patched_trinity()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-
-
-def run_one(name: str, seed: int, level: str, task: str, steps: int, out: str) -> dict:
-    """Train one run in a pool process."""
-    from scripts.harness.trainer import Setting, train
-    from scripts.harness.variants import variant
-
+def launch(args, names, level: str, seed: int) -> str:
+    """Train every variant at one level and seed; return what went wrong ('' if nothing)."""
     lag, epochs = LEVELS[level]
-    return train(variant(name), seed, Setting(task, lag, epochs, steps), Path(out))
-
-
-def train_all(args, jobs) -> list:
-    """Train every (level, variant, seed, folder) job; return what did not finish."""
-    failures = []
-    pool = ProcessPoolExecutor(args.workers, mp.get_context("spawn"), initializer=init_worker)
-    futures = {
-        pool.submit(run_one, v, s, lvl, args.task, args.steps, str(where)): (lvl, v, s)
-        for lvl, v, s, where in jobs
-    }
-    try:
-        for done, future in enumerate(as_completed(futures, timeout=args.timeout), 1):
-            what = "{} {} seed {}".format(*futures[future])
-            try:
-                print(f"[{done}/{len(jobs)}] {what}: {future.result()['wall_s']} s", flush=True)
-            except Exception as exc:  # report every failed run, keep the others going
-                failures.append(f"{what}: {exc!r}")
-    except TimeoutError:
-        failures.append(f"study timed out after {args.timeout:.0f} s")
-        for process in getattr(pool, "_processes", {}).values():  # no public way to stop a run
-            process.terminate()
-    pool.shutdown(cancel_futures=True)
-    return failures
+    argv = [
+        "--variants",
+        ",".join(names),
+        "--seed",
+        seed,
+        "--out",
+        args.out / level / f"seed{seed}",
+    ]
+    argv += ["--task", args.task, "--lag", lag, "--epochs", epochs, "--steps", args.steps]
+    done = torchrun(1, "scripts.harness.trainer", argv + ["--log-every", 0], args.timeout)
+    status = "timed out" if done.code is None else f"exited {done.code}"
+    print(f"{level} seed {seed}: {status} after {done.seconds:.0f} s", flush=True)
+    return "" if done.code == 0 else f"{level} seed {seed} {status}:\n{tail(done.err)}"
 
 
 def main(argv=None) -> int:
     """Train every run, then write the table, the summary, the figure and the JSON line."""
-    from scripts.harness.variants import all_variants
-
     args, started = parse_args(argv), time.time()
     shutil.rmtree(args.out, ignore_errors=True)  # never report a previous study's numbers
     labels = {v.name: v.label for v in all_variants()}
-    seeds = range(args.seeds)
-    jobs = [
-        (lvl, v, s, args.out / lvl / v / f"seed{s}")
-        for lvl in LEVELS
-        for s in seeds
-        for v in labels
-    ]
-    print(f"{len(jobs)} runs ({len(labels)} variants, {args.seeds} seeds, 2 levels)", flush=True)
-    failures = train_all(args, jobs)
-    runs: dict = {lvl: {v: [] for v in labels} for lvl in LEVELS}
-    for lvl, v, _, where in jobs:
-        path = where / "metrics.jsonl"
-        rows = report.load_rows(path) if path.exists() else []
-        if len(rows) == args.steps:
-            runs[lvl][v].append(rows)
-        else:
-            failures.append(f"{where}: unfinished")
+    jobs = [(level, seed) for level in LEVELS for seed in range(args.seeds)]
+    print(f"{len(jobs)} launches of {len(labels)} variants -> {args.out}", flush=True)
+    with ThreadPoolExecutor(args.workers) as pool:
+        failures = [f for f in pool.map(lambda job: launch(args, labels, *job), jobs) if f]
+    runs: dict = {level: {name: [] for name in labels} for level in LEVELS}
+    for level, seed in jobs:
+        for name in labels:
+            path = args.out / level / f"seed{seed}" / name / "metrics.jsonl"
+            rows = report.load_rows(path) if path.exists() else []
+            if len(rows) != args.steps:
+                failures.append(f"{path}: unfinished")
+            runs[level][name].append(rows)
     if failures:
         print("\n".join(["runs that did not finish:"] + failures), file=sys.stderr)
         return 2
@@ -131,11 +93,8 @@ def main(argv=None) -> int:
         "seeds, mean ± std; near_on_policy: rollout policy current, 1 epoch; stale: 2 steps "
         "behind, 2 epochs"
     )
-    report.plot(runs, labels, args.out / "report.png", title)
-    if not (args.quick or args.no_docs):
-        shutil.copyfile(
-            args.out / "report.png", ROOT / "docs" / f"experiment_report_{args.task}.png"
-        )
+    docs = None if args.quick or args.no_docs else f"experiment_report_{args.task}.png"
+    report.plot(runs, labels, args.out / "report.png", title, docs)
     print(text)
     keys = ("final_reward", "final_entropy", "moved_share", "collapsed_runs")
     first = next(iter(labels))
@@ -145,7 +104,7 @@ def main(argv=None) -> int:
             for lvl, per in summary.items()
         },
         "neg_token_share": {lvl: per[first]["neg_token_share"] for lvl, per in summary.items()},
-        "runs_finished": len(jobs),
+        "runs_finished": len(jobs) * len(labels),
         "task": args.task,
         "steps": args.steps,
         "seeds": args.seeds,

@@ -88,11 +88,13 @@ def test_quick_study_trains_every_run_and_writes_its_reports(tmp_path):
     assert result["runs_finished"] == 6 * 2 * 2 and all_finite(result)
     for name in ("table.md", "summary.json", "report.png"):
         assert (tmp_path / name).stat().st_size > 0
-    for path in tmp_path.glob("*/*/seed*/metrics.jsonl"):
+    paths = list(tmp_path.glob("*/seed*/*/metrics.jsonl"))
+    assert len(paths) == result["runs_finished"]
+    for path in paths:
         rows = report.load_rows(path)
         assert len(rows) == result["steps"], path
         assert all(r["dp_group_forwarded"] and all_finite(r) for r in rows), path
-        if path.parts[-3] in ("ppo", "ppo_clip_higher", "bapo_fixed_start"):
+        if path.parts[-2] in ("ppo", "ppo_clip_higher", "bapo_fixed_start"):
             assert not any(r["moved"] for r in rows), path
 
 

@@ -5,9 +5,12 @@ noisy. A run "collapsed" when that mean is below ``COLLAPSE_FRACTION`` of its be
 """
 
 import json
+import shutil
 import statistics
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
+
+import numpy as np
 
 FINAL_SHARE = 0.1
 COLLAPSE_FRACTION = 0.5
@@ -18,17 +21,10 @@ PANELS = (
     ("clip_low", "lower bound used (mean of calls)"),
     ("clip_high", "upper bound used (mean of calls)"),
 )
-FIGURES = (
-    "final_reward",
-    "final_entropy",
-    "moved_share",
-    "mean_rho",
-    "neg_token_share",
-    "neg_mass_share",
-    "truncated_share",
-    "len_pos",
-    "len_neg",
-)
+# The rollouts' imbalance, averaged over a run's steps
+IMBALANCE = ("neg_token_share", "neg_mass_share", "truncated_share", "len_pos", "len_neg")
+FIGURES = ("final_reward", "final_entropy", "moved_share", "mean_rho", *IMBALANCE)
+TABLE = (("final_reward", 3), ("final_entropy", 3), ("moved_share", 2), ("mean_rho", 3))
 
 
 def load_rows(path: Path) -> List[Dict]:
@@ -74,9 +70,7 @@ def run_summary(rows: Sequence[Dict]) -> Dict:
         "moved_share": sum(r["moved"] for r in rows) / len(rows),
         "collapsed": collapsed(rows),
         "mean_rho": _mean_of(rows, "rho"),
-        **{key: _mean_of(rows, key) for key in FIGURES[4:]},
-        "clip_low_range": [min(r["clip_low"] for r in rows), max(r["clip_low"] for r in rows)],
-        "clip_high_range": [min(r["clip_high"] for r in rows), max(r["clip_high"] for r in rows)],
+        **{key: _mean_of(rows, key) for key in IMBALANCE},
         "ranks_agree": all(r["ranks_agree"] for r in rows),
         "dp_group_forwarded": all(r["dp_group_forwarded"] for r in rows),
         "logprob_layout_max_err": max(errors) if errors else None,
@@ -99,10 +93,6 @@ def group_summary(runs: Sequence[Sequence[Dict]]) -> Dict:
     return out
 
 
-def _pm(stat: Dict, digits: int = 3) -> str:
-    return f"{stat['mean']:.{digits}f} ± {stat['std']:.{digits}f}"
-
-
 def table(summary: Dict, labels: Dict[str, str]) -> str:
     """A markdown table: one row per (level, variant)."""
     lines = [
@@ -112,32 +102,29 @@ def table(summary: Dict, labels: Dict[str, str]) -> str:
     ]
     for level, variants in summary.items():
         for name, s in variants.items():
-            lines.append(
-                f"| {level} | {labels[name]} | {_pm(s['final_reward'])} "
-                f"| {_pm(s['final_entropy'])} | {_pm(s['moved_share'], 2)} "
-                f"| {_pm(s['mean_rho'])} | {s['collapsed_runs']} of {s['runs']} |"
-            )
+            cells = [level, labels[name]]
+            for key, digits in TABLE:
+                cells.append(f"{s[key]['mean']:.{digits}f} ± {s[key]['std']:.{digits}f}")
+            lines.append(f"| {' | '.join(cells)} | {s['collapsed_runs']} of {s['runs']} |")
     return "\n".join(lines)
 
 
-def smooth(values: List[float], width: int) -> List[float]:
+def smooth(values: List[float], width: int) -> np.ndarray:
     """Running mean over the last ``width`` values (fewer at the start)."""
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= width:
-            acc -= values[i - width]
-        out.append(acc / min(i + 1, width))
-    return out
+    total = np.cumsum(values)
+    total[width:] = total[width:] - total[:-width]
+    return total / np.minimum(np.arange(1, len(values) + 1), width)
 
 
-def plot(runs: Dict, labels: Dict[str, str], path: Path, title: str) -> None:
-    """Rows: staleness levels; columns: PANELS; a mean line and a ±1 std band per variant."""
+def plot(runs: Dict, labels: Dict[str, str], path: Path, title: str, docs=None) -> None:
+    """Rows: staleness levels; columns: PANELS; a mean line and a ±1 std band per variant.
+
+    With ``docs``, a copy goes to ``docs/<docs>`` for the README and docs to show.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     levels = list(runs)
     fig, axes = plt.subplots(
@@ -162,3 +149,5 @@ def plot(runs: Dict, labels: Dict[str, str], path: Path, title: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
     plt.close(fig)
+    if docs:
+        shutil.copyfile(path, Path(__file__).resolve().parents[2] / "docs" / docs)

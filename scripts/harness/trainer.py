@@ -30,13 +30,7 @@ import torch.distributed as dist
 from scripts.harness.engine import build_engine, engine_batch, full_state_dict, trinity_layout
 from scripts.harness.model import build_model, sample_responses, save_model
 from scripts.harness.recorder import LossRecorder
-from scripts.harness.tasks import (
-    goal_tokens,
-    group_advantages,
-    left_pad,
-    sample_prompts,
-    scores,
-)
+from scripts.harness.tasks import goal_tokens, group_advantages, left_pad, sample_prompts, scores
 from scripts.harness.variants import Variant, loss_config, variant
 
 
@@ -109,74 +103,50 @@ def surrogate_sums(inputs: Dict, low: float, high: float) -> List[float]:
     return [p, n]
 
 
-def summarise_calls(calls: List[Dict], run: Variant) -> List[Dict]:
-    """The pair each call used and rho there (``rho_surrogate``: Eq. 8 over every rank's tokens)."""
-    out = []
-    for call in calls:
-        m, (low, high) = call["metrics"], run.start
-        if run.loss == "bapo":
-            low, high = m["bapo_clip_low"], m["bapo_clip_high"]
-        moved = [low, high] != run.start
-        out.append({"low": low, "high": high, "moved": moved, "clipfrac": m["pg_clipfrac"]})
+def call_figures(calls: List[Dict], run: Variant) -> Dict:
+    """The pairs the loss calls used, rho there, whether one moved the bounds, the clip fraction.
+
+    ``rho_surrogate`` is Eq. 8 over every rank's tokens: a cross-check of BAPO's rho, and the
+    only rho a PPO variant has.
+    """
+    pairs = [list(run.start) for _ in calls]
+    if run.loss == "bapo":
+        pairs = [[c["metrics"]["bapo_clip_low"], c["metrics"]["bapo_clip_high"]] for c in calls]
     sums = torch.tensor(
-        [surrogate_sums(c["inputs"], o["low"], o["high"]) for c, o in zip(calls, out)],
-        dtype=torch.float64,
+        [surrogate_sums(c["inputs"], *pair) for c, pair in zip(calls, pairs)], dtype=torch.float64
     )
     dist.all_reduce(sums)
-    for call, summary, (p, n) in zip(calls, out, sums.tolist()):
-        summary["rho_surrogate"] = 1.0 if p + n == 0 else p / (p + n)
-        summary["rho"] = call["metrics"].get("bapo_positive_contribution", summary["rho_surrogate"])
-    return out
+    eq8 = [1.0 if p + n == 0 else p / (p + n) for p, n in sums.tolist()]
+    rho = [c["metrics"].get("bapo_positive_contribution", r) for c, r in zip(calls, eq8)]
+    return {
+        "pairs": pairs,
+        "rho": sum(rho) / len(calls),
+        "rho_surrogate": sum(eq8) / len(calls),
+        "moved": any(pair != run.start for pair in pairs),
+        "clipfrac": sum(c["metrics"]["pg_clipfrac"] for c in calls) / len(calls),
+    }
 
 
-def ranks_agree(calls: List[Dict]) -> bool:
-    """All-gather every call's pair; whether each rank used the same pairs in the same order."""
-    mine = torch.tensor([[c["low"], c["high"]] for c in calls], dtype=torch.float64)
+def ranks_agree(pairs: List[List[float]]) -> bool:
+    """Whether every rank used the same pairs in the same order."""
+    mine = torch.tensor(pairs, dtype=torch.float64)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     return all(torch.equal(g, mine) for g in gathered)
 
 
-def all_mean(values: List[float]) -> List[float]:
-    """Element-wise mean of ``values`` over the ranks."""
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
-    return (t / dist.get_world_size()).tolist()
-
-
 @torch.no_grad()
 def evaluate(model, eval_set, generator, task: str) -> Dict:
-    """Reward, token entropy and length of the current policy on fresh samples, over ranks."""
+    """Reward and token entropy of the current policy on fresh samples, averaged over ranks."""
     rows, prompts, prompt_mask = eval_set
-    responses, mask, _, entropy = sample_responses(
-        model, prompts, prompt_mask, generator, goal_tokens(task, rows)
-    )
+    goal = goal_tokens(task, rows)
+    responses, mask, _, entropy = sample_responses(model, prompts, prompt_mask, generator, goal)
     rewards = scores(task, rows, responses, mask)
-    reward, ent, length = all_mean(
-        [
-            sum(rewards) / len(rewards),
-            (entropy.sum() / mask.sum()).item(),
-            mask.sum(1).float().mean().item(),
-        ]
-    )
-    return {"reward": reward, "entropy": ent, "length": length}
-
-
-def step_row(step: int, lag: int, calls: List[Dict], norms, fresh, stats) -> Dict:
-    """The step's JSON line: fresh reward and entropy, the pairs, rho, moves, grad norm."""
-    n = len(calls)
-    return {
-        "step": step,
-        "lag": lag,
-        **fresh,
-        **stats,
-        "pairs": [[c["low"], c["high"]] for c in calls],
-        "rho": sum(c["rho"] for c in calls) / n,
-        "rho_surrogate": sum(c["rho_surrogate"] for c in calls) / n,
-        "moved": any(c["moved"] for c in calls),
-        "clipfrac": sum(c["clipfrac"] for c in calls) / n,
-        "grad_norm": sum(norms) / len(norms),
-    }
+    means = [sum(rewards) / len(rewards), (entropy.sum() / mask.sum()).item()]
+    total = torch.tensor(means, dtype=torch.float64)
+    dist.all_reduce(total)
+    reward, ent = (total / dist.get_world_size()).tolist()
+    return {"reward": reward, "entropy": ent}
 
 
 def fresh_engine(behaviour, setting: Setting, seed: int):
@@ -227,19 +197,13 @@ def train(run: Variant, seed: int, setting: Setting, out: Path, log_every: int =
                     norms.append(float(result["metrics"]["grad_norm"]))
         snapshots.append(full_state_dict(engine))
         current.load_state_dict(snapshots[-1])
-        calls = summarise_calls(recorder.calls, run)
-        row = step_row(
-            step,
-            lag,
-            calls,
-            norms,
-            evaluate(current, eval_set, gens["eval_sample"], setting.task),
-            stats,
-        )
-        first = recorder.calls[0]["inputs"]
+        row = {"step": step, "lag": lag}
+        row.update(evaluate(current, eval_set, gens["eval_sample"], setting.task), **stats)
+        row.update(call_figures(recorder.calls, run), grad_norm=sum(norms) / len(norms))
+        first = recorder.calls[0]["inputs"]  # with no lag, the engine's log-probs are the sampler's
         gap = (first["logprob"] - first["old_logprob"])[first["mask"].bool()].abs()
         row["logprob_layout_err"] = gap.max().item() if lag == 0 and gap.numel() else None
-        row["ranks_agree"] = ranks_agree(calls)
+        row["ranks_agree"] = ranks_agree(row["pairs"])
         row["dp_group_forwarded"] = recorder.forwarded
         row["wall_s"] = round(time.time() - started, 2)
         if sink:
