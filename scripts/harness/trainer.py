@@ -22,7 +22,7 @@ import time
 import warnings
 from collections import deque
 from pathlib import Path
-from typing import Dict, List, NamedTuple
+from typing import Any, Dict, List, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -197,9 +197,10 @@ def train(run: Variant, seed: int, setting: Setting, out: Path, log_every: int =
                     norms.append(float(result["metrics"]["grad_norm"]))
         snapshots.append(full_state_dict(engine))
         current.load_state_dict(snapshots[-1])
-        row = {"step": step, "lag": lag}
-        row.update(evaluate(current, eval_set, gens["eval_sample"], setting.task), **stats)
-        row.update(call_figures(recorder.calls, run), grad_norm=sum(norms) / len(norms))
+        row: Dict[str, Any] = {"step": step, "lag": lag, "grad_norm": sum(norms) / len(norms)}
+        row.update(evaluate(current, eval_set, gens["eval_sample"], setting.task))
+        row.update(stats)
+        row.update(call_figures(recorder.calls, run))
         first = recorder.calls[0]["inputs"]  # with no lag, the engine's log-probs are the sampler's
         gap = (first["logprob"] - first["old_logprob"])[first["mask"].bool()].abs()
         row["logprob_layout_err"] = gap.max().item() if lag == 0 and gap.numel() else None
