@@ -11,7 +11,7 @@ target; the last stdout line is one JSON object. The CPU part runs on one torch 
 * ``dp_speedup_vs_per_candidate_allreduce``, ``collectives_per_call``,
   ``all_reduce_values_per_call``: the same on 4 gloo ranks, and what one synchronised call sends;
 * ``large_grid_peak_rss_over_input``: peak resident-memory growth of one search over 2,000,000
-  tokens and 2,000 candidates, over the inputs' bytes, in a fresh process.
+  tokens and 2,000 candidates, over the inputs' bytes.
 
 Where a GPU exists, ``cuda`` adds the loss ratios per token count, ``search_ms``, and
 ``step_overhead_share``: BAPO's forward and backward minus PPO's, over one bf16 training step of
@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from fractions import Fraction
@@ -97,7 +96,7 @@ def literal_search(ratio, advantages, mask, grid: Dict, all_reduce=None):
     Exact rational bounds, so it visits ``BoundSearch``'s pairs, with one host sync and (given
     ``all_reduce``) one collective per pair. Returns (low, high, steps).
     """
-    exact = {k: Fraction(repr(float(v))) for k, v in grid.items()}
+    exact = {k: Fraction(repr(float(v))) for k, v in grid.items() if k.startswith("ratio_")}
     c_low, c_high = exact["ratio_lower_start"], exact["ratio_upper_start"]
     b_low, b_high = exact["ratio_lower_max"], exact["ratio_upper_max"]
     d_low, d_high = exact["ratio_lower_step"], exact["ratio_upper_step"]
@@ -151,28 +150,26 @@ def bench_loss(shape, rounds: int) -> Dict:
 
 def bench_search(shape, rounds: int) -> Dict:
     """Our search against the per-candidate loop, and both on a target met mid-path."""
-    bapo, _ = losses()
+    from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
+
     ratio, adv, mask, finite = search_inputs(bench_batch(shape, seed=0))
 
-    def ours():
-        return bapo.search.decide(bapo.search.local_sums(ratio, adv, mask, finite))
+    def walk(search):
+        result = search.decide(search.local_sums(ratio, adv, mask, finite))
+        return result.clip_low, result.clip_high, result.steps
 
-    times = timed(
-        {"literal": lambda: literal_search(ratio, adv, mask, PAPER), "ours": ours}, rounds
-    )
-    result = ours()
-    pairs = {
-        "literal": literal_search(ratio, adv, mask, PAPER),
-        "ours": (result.clip_low, result.clip_high, result.steps),
+    paper = losses()[0].search
+    contenders = {
+        "literal": lambda: literal_search(ratio, adv, mask, PAPER),
+        "ours": lambda: walk(paper),
     }
+    times = timed(contenders, rounds)
+    pairs = {name: call() for name, call in contenders.items()}
     # A target halfway between rho at upper steps 9 and 10: both must stop at step 10.
     rho = [surrogate_share(ratio, adv, mask, 0.6, 1.2 + 0.05 * k) for k in (9, 10)]
     grid = dict(PAPER, positive_contribution_target=(rho[0] + rho[1]) / 2)
-    from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
-
-    search = BAPOPolicyLossFn(**grid).search
-    mid = search.decide(search.local_sums(ratio, adv, mask, finite))
-    mid_ok = literal_search(ratio, adv, mask, grid) == (mid.clip_low, mid.clip_high, 10)
+    mid = walk(BAPOPolicyLossFn(**grid).search)
+    mid_ok = literal_search(ratio, adv, mask, grid) == mid and mid[2] == 10
     print(f"## Search: seconds {times}; pairs {pairs}; mid-path stop at step 10: {mid_ok}")
     return {
         "speedup": times["literal"] / times["ours"],
@@ -197,8 +194,12 @@ def bench_dp(tokens: int, repeats: int) -> Dict:
     return result
 
 
-def rss_probe(tokens: int) -> Dict:
-    """In this (fresh) process: peak RSS growth of one large-grid search over the inputs."""
+def bench_rss(tokens: int) -> Dict:
+    """Peak RSS growth of one large-grid search over its inputs' bytes (run before the rest).
+
+    Linux's ``clear_refs`` restarts the high-water mark at the current RSS, so that the peak
+    counts the search alone.
+    """
     from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 
     def status_kb(field: str) -> int:
@@ -209,28 +210,13 @@ def rss_probe(tokens: int) -> Dict:
     search.decide(search.local_sums(*search_inputs(bench_batch((2, 64), seed=1))))  # warm-up
     batch = bench_batch((tokens // 1000, 1000), seed=0)
     inputs = search_inputs(batch)
-    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts at the RSS
+    Path("/proc/self/clear_refs").write_text("5")
     before = status_kb("VmRSS")
     search.decide(search.local_sums(*inputs))
     growth = (status_kb("VmHWM") - before) * 1024
     size = sum(t.numel() * t.element_size() for t in batch.values())
+    print(f"## Peak RSS growth of one search, {tokens:,} tokens: {growth / size:.2f} x input")
     return {"growth_bytes": growth, "input_bytes": size, "ratio": growth / size}
-
-
-def bench_rss(tokens: int) -> Dict:
-    """``rss_probe`` in a child whose glibc returns freed memory at once, so that none hides."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="0")
-    cmd = [sys.executable, "-m", "scripts.bench", "--rss-probe", str(tokens)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    try:
-        result = json.loads(done.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        return {"error": done.stderr[-2000:]}
-    print(
-        f"## Peak RSS of one search, {tokens:,} tokens, 2,000 candidates: "
-        f"{result['ratio']:.2f} x input"
-    )
-    return result
 
 
 def bench_cuda(quick: bool, device: str = "cuda") -> Dict:
@@ -280,21 +266,17 @@ def main(argv=None) -> int:
     """Run every part and print the summary, then the JSON line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
-    p.add_argument("--rss-probe", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    if args.rss_probe:
-        print(json.dumps(rss_probe(args.rss_probe)))
-        return 0
     size = SIZES["quick" if args.quick else "full"]
     print(
         f"# BAPO benchmark: torch {torch.__version__}, {os.cpu_count()} cores"
         + (" (--quick)" if args.quick else "")
     )
+    rss = bench_rss(size["rss_tokens"])  # first: later parts leave freed memory behind
     loss = bench_loss(size["shape"], size["rounds"])
     search = bench_search(size["shape"], size["rounds"])
     dp = bench_dp(size["dp_tokens"], size["dp_repeats"])
-    rss = bench_rss(size["rss_tokens"])
     cuda: Optional[Dict] = bench_cuda(args.quick) if torch.cuda.is_available() else None
     if cuda is None:
         print("## CUDA: skipped, no CUDA device")
@@ -331,7 +313,7 @@ def main(argv=None) -> int:
             "search": search["ms"],
             "dp": {k: v * 1e3 for k, v in dp.get("median_s", {}).items()},
         },
-        errors={k: v["error"] for k, v in (("dp", dp), ("rss", rss)) if "error" in v},
+        errors={"dp": dp["error"]} if "error" in dp else {},
         cuda=cuda,
     )
     print(json.dumps(result, default=str), flush=True)

@@ -49,16 +49,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def launch(args, names, level: str, seed: int) -> str:
     """Train every variant at one level and seed; return what went wrong ('' if nothing)."""
     lag, epochs = LEVELS[level]
-    argv = [
-        "--variants",
-        ",".join(names),
-        "--seed",
-        seed,
-        "--out",
-        args.out / level / f"seed{seed}",
-    ]
-    argv += ["--task", args.task, "--lag", lag, "--epochs", epochs, "--steps", args.steps]
-    done = torchrun(1, "scripts.harness.trainer", argv + ["--log-every", 0], args.timeout)
+    out = args.out / level / f"seed{seed}"
+    argv = ["--variants", ",".join(names), "--seed", seed, "--out", out, "--task", args.task]
+    argv += ["--lag", lag, "--epochs", epochs, "--steps", args.steps, "--log-every", 0]
+    done = torchrun(1, "scripts.harness.trainer", argv, args.timeout)
     status = "timed out" if done.code is None else f"exited {done.code}"
     print(f"{level} seed {seed}: {status} after {done.seconds:.0f} s", flush=True)
     return "" if done.code == 0 else f"{level} seed {seed} {status}:\n{tail(done.err)}"

@@ -1,15 +1,10 @@
-"""Write the pull requests: one git patch each against the Trinity-RFT 0.6.0 source distribution.
+"""Write the pull requests, one git patch each against the Trinity-RFT 0.6.0 source distribution.
 
-- ``dist/trinity-rft-bapo.patch``: BAPO (the runtime-key interface, the engine forwarding the
-  dp_group, the legacy actor, the registry and preset, the README row) with our modules, the
-  example and the unit test.
-- ``dist/trinity-rft-loss-agg-mode.patch``: the config validator fix and its test, unrelated
-  to BAPO and so a pull request of its own.
-
-Each is the diff between the unpacked source distribution (from PyPI, cached in build/sdist/)
-and the same tree with that pull request's patches applied and its files added, preceded by its
-description (``patches/pr/<name>.md``) and the parts it holds; ``git apply`` skips that text. A
-maintainer applies either one alone at the root of a v0.6.0 checkout.
+``dist/trinity-rft-bapo.patch`` holds BAPO (patches 0001-0005, our modules, the example, the unit
+test); ``dist/trinity-rft-loss-agg-mode.patch`` the unrelated config fix and its test. Each is
+the diff between the unpacked sdist (from PyPI, cached in build/sdist/) and the same tree with
+its patches applied and its files added, after its description (``patches/pr/<name>.md``), which
+``git apply`` skips; either applies alone at the root of a v0.6.0 checkout.
 Run: make pr (or: python -m scripts.make_pr [OUTPUT_DIR])
 """
 

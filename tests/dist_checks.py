@@ -1,10 +1,7 @@
 """The checks of ``tests/test_bapo_distributed.py``, run on every rank by the harness's DP worker.
 
-``python -m torch.distributed.run --nproc_per_node=N -m scripts.harness.dp_worker checks --out
-DIR --checks a,b,...`` (with ``tests/`` on ``PYTHONPATH``) runs the named checks in order; each
-returns what it computed and the data it used, and the pytest driver recomputes the
-single-process answer on the union of the ranks' data and asserts. Nothing expected lives
-here. The per-rank data builders are here too, so that the driver rebuilds what each rank saw.
+Each check returns what the loss computed and the data it used; the pytest driver recomputes the
+single-process answer on the union of the ranks' data and asserts. Nothing expected lives here.
 """
 
 import warnings
@@ -28,15 +25,12 @@ CONFIGS: Dict[str, Dict] = {
     "paper_upper_gradient": dict(search_order="upper_first", contribution="gradient"),
     "paper_lower_surrogate": dict(search_order="lower_first", contribution="surrogate"),
     "paper_lower_gradient": dict(search_order="lower_first", contribution="gradient"),
-    "yaml_lower_surrogate": dict(
+    "yaml_lower_surrogate": dict(  # starts and upper step as the paper's
         search_order="lower_first",
         contribution="surrogate",
-        ratio_lower_start=0.6,
         ratio_lower_max=0.8,
         ratio_lower_step=0.05,
-        ratio_upper_start=1.2,
         ratio_upper_max=2.0,
-        ratio_upper_step=0.05,
         positive_contribution_target=0.5,
     ),
     "script_lower_gradient": dict(
@@ -67,6 +61,14 @@ _LOG_RATIO_SHIFT = (0.1, -0.1, 0.25, 0.0)
 
 def _case_seed(seed: int, case: str, rank: int) -> int:
     return seed * 10_000 + CASES.index(case) * 100 + rank
+
+
+def every_config(ctx, data, group, **extra) -> Dict[str, Dict]:
+    """One call per config of a fresh loss (with ``extra`` arguments) on ``data``."""
+    return {
+        name: call_bapo(ctx, BAPOPolicyLossFn(**loss_kwargs(name, **extra)), data, group)
+        for name in CONFIGS
+    }
 
 
 def make_case(case: str, rank: int, world: int, seed: int = 0) -> Dict[str, torch.Tensor]:
@@ -113,19 +115,6 @@ def make_case(case: str, rank: int, world: int, seed: int = 0) -> Dict[str, torc
 def case_to_lists(data: Dict[str, torch.Tensor]) -> Dict[str, List]:
     """JSON-friendly copy (floats survive the round trip exactly)."""
     return {key: value.tolist() for key, value in data.items()}
-
-
-def lists_to_case(data: Dict[str, List]) -> Dict[str, torch.Tensor]:
-    """Turn a case's JSON lists back into tensors."""
-    return {
-        "logprob": torch.tensor(data["logprob"], dtype=torch.float32),
-        "old_logprob": torch.tensor(data["old_logprob"], dtype=torch.float32),
-        "advantages": torch.tensor(data["advantages"], dtype=torch.float32),
-        "mask": torch.tensor(data["mask"], dtype=torch.int64),
-    }
-
-
-# --------------------------------------------------------------------------- the checks
 
 
 def check_group_none(ctx):
@@ -223,13 +212,9 @@ def check_subgroup(ctx):
     data = make_case("mixed", ctx.rank, ctx.world, ctx.seed)
     out = {"data": case_to_lists(data), "pair": {}, "solo": {}}
     if ctx.rank in (0, 1):
-        for name in CONFIGS:
-            loss_fn = BAPOPolicyLossFn(**loss_kwargs(name))
-            out["pair"][name] = call_bapo(ctx, loss_fn, data, pair_group)
+        out["pair"] = every_config(ctx, data, pair_group)
     if ctx.rank == 0:
-        for name in CONFIGS:
-            loss_fn = BAPOPolicyLossFn(**loss_kwargs(name))
-            out["solo"][name] = call_bapo(ctx, loss_fn, data, solo_group)
+        out["solo"] = every_config(ctx, data, solo_group)
     dist.barrier()
     out["passed_barrier"] = True
     return out
@@ -238,10 +223,7 @@ def check_subgroup(ctx):
 def check_sync_off(ctx):
     """sync_across_dp=False with dp_group=WORLD on the 'signs' case: every rank on its own."""
     data = make_case("signs", ctx.rank, ctx.world, ctx.seed)
-    runs = {}
-    for name in CONFIGS:
-        loss_fn = BAPOPolicyLossFn(**loss_kwargs(name, sync_across_dp=False))
-        runs[name] = call_bapo(ctx, loss_fn, data, dist.group.WORLD)
+    runs = every_config(ctx, data, dist.group.WORLD, sync_across_dp=False)
     return {"data": case_to_lists(data), "runs": runs}
 
 
@@ -323,10 +305,7 @@ def check_nonfinite(ctx):
         logprob[0, 2] = float("nan")
         mask[0, 2] = 0
         data = {**data, "logprob": logprob, "mask": mask}
-    runs = {}
-    for name in CONFIGS:
-        loss_fn = BAPOPolicyLossFn(**loss_kwargs(name))
-        runs[name] = call_bapo(ctx, loss_fn, data, dist.group.WORLD)
+    runs = every_config(ctx, data, dist.group.WORLD)
     return {"runs": runs, "expected_nonfinite": NAN_UNMASKED}
 
 
@@ -358,15 +337,4 @@ def check_gradient(ctx):
     return {"data": case_to_lists(data), "runs": runs}
 
 
-CHECKS = {
-    "group_none": check_group_none,
-    "oracle": check_oracle,
-    "trinity": check_trinity,
-    "subgroup": check_subgroup,
-    "sync_off": check_sync_off,
-    "nonfinite": check_nonfinite,
-    "gradient": check_gradient,
-    "mismatch": check_mismatch,
-    "nonmember": check_nonmember,
-    "failure": check_failure,
-}
+CHECKS = {name[6:]: fn for name, fn in list(globals().items()) if name.startswith("check_")}

@@ -16,8 +16,8 @@ import dist_checks as common
 
 def tokens_of(data):
     """Return the (ratio, advantage, inside) tokens of one rank's JSON case."""
-    case = common.lists_to_case(data)
-    return ref.token_lists(case["logprob"], case["old_logprob"], case["mask"], case["advantages"])
+    fields = ("logprob", "old_logprob", "mask", "advantages")
+    return ref.token_lists(*(torch.tensor(data[key]) for key in fields))
 
 
 def union_tokens(datas):

@@ -82,9 +82,6 @@ def test_launch_ends_cleanly(launches, world, backend):
     assert all(list(r["checks"]) == CHECKS_BY_WORLD[world] for r in records)
 
 
-# --------------------------------------------------------------------------- synced choice
-
-
 def union_problems(result, prefix=""):
     """Every case x config of one check, each rank's metrics against the union oracle."""
     problems = []
@@ -118,9 +115,6 @@ def test_trinity_policy_loss_forwards_the_group(launches, world, backend):
     """Call TrinityPolicyLoss on the engine's (model_output, data) layout, group forwarded."""
     problems = union_problems(results(launches, world, backend, "trinity"), "actor/")
     assert not problems, "\n".join(problems)
-
-
-# --------------------------------------------------------------------------- collectives
 
 
 @with_backend
@@ -171,9 +165,6 @@ def test_no_collective_without_sync(launches, world, backend):
             if call["collectives"]:
                 problems.append(f"group_none call {i} rank {rank}: {call['collectives']}")
     assert not problems, "\n".join(problems)
-
-
-# --------------------------------------------------------------------------- groups
 
 
 @with_backend
@@ -236,9 +227,6 @@ def test_rank_outside_the_group_raises(launches, backend):
     assert "not a member of the dp_group" in result[2]["message"], result[2]
 
 
-# --------------------------------------------------------------------------- settings
-
-
 @with_backend
 @pytest.mark.parametrize("world", WORLDS)
 def test_ranks_with_different_settings_raise_everywhere(launches, world, backend):
@@ -258,9 +246,6 @@ def test_ranks_with_different_settings_raise_everywhere(launches, world, backend
             assert outcome.get("raised") == "RuntimeError", (variant, rank, outcome)
             assert "differ between the ranks" in outcome["message"], (variant, rank, outcome)
             assert f"global ranks [{world - 1}]" in outcome["message"], (variant, rank, outcome)
-
-
-# --------------------------------------------------------------------------- failures
 
 
 @with_backend
@@ -290,9 +275,6 @@ def test_bad_inputs_on_one_rank_raise_on_every_rank_in_that_call(launches, world
     assert locals_differ(datas, name), "data cannot tell a local choice from a synced one"
 
 
-# --------------------------------------------------------------------------- sync off
-
-
 @with_backend
 @pytest.mark.parametrize("world", WORLDS)
 def test_sync_off_ranks_diverge(launches, world, backend):
@@ -304,9 +286,6 @@ def test_sync_off_ranks_diverge(launches, world, backend):
         for rank, rank_result in enumerate(result):
             want = oracle(tokens_of(rank_result["data"]), name)
             assert got_choice(rank_result["runs"][name]["metrics"]) == want, (name, rank)
-
-
-# --------------------------------------------------------------------------- non-finite
 
 
 @with_backend
@@ -330,9 +309,6 @@ def test_nonfinite_on_one_rank_keeps_start_pair_everywhere(launches, world, back
             if rank != world - 1 and not math.isfinite(run["loss"]):
                 problems.append(f"{name} rank {rank} (all finite): loss {run['loss']}")
     assert not problems, "\n".join(problems)
-
-
-# --------------------------------------------------------------------------- gradients
 
 
 def union_gradient(result, name):
@@ -389,9 +365,6 @@ def test_gradient_without_sync_differs(launches, world, backend, name):
     assert len(pairs) > 1, f"ranks agree without sync: {pairs}"
     gaps, scale = gradient_gaps(result, name, "nosync")
     assert max(gaps) > 1e-3 * scale, f"unsynced gradients within {max(gaps):.3g} of the union's"
-
-
-# --------------------------------------------------------------------------- by-hand script
 
 
 def test_by_hand_check_two_ranks():

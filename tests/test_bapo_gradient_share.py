@@ -83,9 +83,6 @@ def sequences(lengths, signs, spread=0.4):
     return logprob, old, mask, torch.tensor(signs)[:, None] * (adv.abs() + 0.2)
 
 
-# --------------------------------------------------------------------------- aggregation
-
-
 @pytest.mark.parametrize("loss_agg_mode", LOSS_AGG_MODES)
 @pytest.mark.parametrize("ranges", [{}, point(0.6, 1.2)], ids=["paper_grid", "point"])
 def test_share_equals_autograd_in_every_aggregation_mode(loss_agg_mode, ranges):
@@ -123,8 +120,6 @@ def test_tokens_past_the_log_ratio_clamp_carry_no_gradient(sign, log_ratio, rang
     )
     assert metrics["bapo_positive_contribution"] == pytest.approx(share, rel=1e-6)
 
-
-# --------------------------------------------------------------------------- precision
 
 POINTS = [(0.6, 1.2), (0.8, 1.28), (0.9, 3.0), (0.75, 1.5)]
 PRECISION_RANGES = {
@@ -177,9 +172,6 @@ def test_16_bit_advantages_differ_only_by_the_product_tie_residue(dtype, ranges,
     assert gap <= float(ties.sum()) + 1e-9 * share
 
 
-# --------------------------------------------------------------------------- masks
-
-
 @pytest.mark.parametrize(
     "kind, mask_dtype",
     [("twos", torch.int64), ("twos", torch.int32), ("twos", torch.float32)]
@@ -203,9 +195,6 @@ def test_mask_values_weigh_their_tokens_as_the_loss_does(
     p, n = pair_sums(logprob - old, adv, mask, *chosen(metrics), contribution, 3.0)
     assert metrics["bapo_positive_contribution"] == pytest.approx(p / (p + n), rel=rel)
     assert call(fn, logprob, old, mask.float(), adv)[1] == metrics
-
-
-# --------------------------------------------------------------------------- per-candidate sums
 
 
 @pytest.mark.parametrize("contribution", ["surrogate", "gradient"])

@@ -47,9 +47,6 @@ METRIC_KEYS = {
 }
 
 
-# --------------------------------------------------------------------------- edge cases
-
-
 @pytest.mark.parametrize("order, contribution", BOTH)
 @pytest.mark.parametrize(
     "sign, target, rho",
@@ -104,9 +101,6 @@ def test_point_lower_range_freezes_upper_bound_under_algorithm1():
     assert chosen(m) == (0.8, 3.0) and m["bapo_search_steps"] == 36
 
 
-# --------------------------------------------------------------------------- PPO equivalence
-
-
 @pytest.mark.parametrize("mask_kind", ["ones", "half", "tenth", "mixed"])
 @pytest.mark.parametrize("loss_agg_mode", LOSS_AGG_MODES)
 @pytest.mark.parametrize("eps_low, eps_high", [(0.2, 0.2), (0.2, 0.28), (0.1, 0.3)])
@@ -144,8 +138,6 @@ def test_point_ranges_equal_ppo(mask_kind, loss_agg_mode, eps_low, eps_high, ord
     for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "pg_loss"):
         assert m[key] == pytest.approx(ppo_m[key], rel=1e-6, abs=1e-9), key
 
-
-# --------------------------------------------------------------------------- arguments
 
 ULP_ABOVE_06 = math.nextafter(0.6, 1.0)
 ULP_ABOVE_12 = math.nextafter(1.2, 2.0)
@@ -272,9 +264,6 @@ def test_mismatched_shapes_raise():
         call(BAPOPolicyLossFn(), logprob, old[:1], mask, adv)
 
 
-# --------------------------------------------------------------------------- metrics
-
-
 @pytest.mark.parametrize("order, contribution", BOTH)
 def test_metrics_are_flat_documented_python_numbers(order, contribution):
     logprob, old, mask, adv = batch((4, 24), spread=0.3)
@@ -287,8 +276,6 @@ def test_metrics_are_flat_documented_python_numbers(order, contribution):
     assert type(m["bapo_search_steps"]) is int and type(m["bapo_nonfinite_tokens"]) is int
     assert m["bapo_target_met"] in (0.0, 1.0)
 
-
-# --------------------------------------------------------------------------- memory
 
 # Configurations that construct, with points far from 1 and grids with tiny gaps. A search
 # that sizes anything by (span of the grid) / (smallest gap) asks for gigabytes here.
@@ -350,9 +337,6 @@ def test_far_points_and_tiny_gaps_clip_where_configured(kwargs):
     ppo = PPOPolicyLossFn(clip_range_low=1 - low, clip_range_high=high - 1, clip_ratio_c=3.0)
     ppo_loss, _ = call(ppo, logprob, old, mask, adv)
     assert torch.isfinite(loss) and loss.item() == pytest.approx(ppo_loss.item(), rel=1e-6)
-
-
-# --------------------------------------------------------------------------- non-finite values
 
 
 @pytest.mark.parametrize("order, contribution", BOTH)

@@ -32,8 +32,6 @@ from trinity.trainer.verl.losses import TrinityPolicyLoss
 TIMEOUT = timedelta(seconds=30)  # a one-rank gloo group must never wait; fail instead of hang
 
 
-# --- the batch ---------------------------------------------------------------------------------
-
 PROMPT_LENS = [3, 1, 4, 2]
 RESPONSE_LENS = [5, 3, 6, 2]
 MASKED_INSIDE = [(0, 2), (2, 0), (2, 4)]  # response tokens excluded from the loss (tool output)
@@ -144,9 +142,6 @@ def model_output(src):
     return {"log_probs": torch.nested.nested_tensor_from_jagged(values, src["offsets"])}, values
 
 
-# --- the losses --------------------------------------------------------------------------------
-
-
 def algorithm_config(name: str, kl_loss_fn: str = "none") -> AlgorithmConfig:
     """As the config validator resolves it: every fn with its registered default_args()."""
     return AlgorithmConfig(
@@ -213,9 +208,6 @@ def assert_same_result(got, expected, what: str):
         assert metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-7), f"{what}: {key}"
 
 
-# --- a real process group ----------------------------------------------------------------------
-
-
 @pytest.fixture(scope="module")
 def dp_group(tmp_path_factory):
     """A one-rank gloo sub-group, distinct from WORLD, so identity checks mean something."""
@@ -234,9 +226,6 @@ def dp_group(tmp_path_factory):
             dist.destroy_process_group()
 
 
-# --- registry ----------------------------------------------------------------------------------
-
-
 # The registry has no public listing of its lazily imported names; the mapping is the registry.
 # Every registered loss (trinity-rft 0.6.0's 15 and bapo) runs on the batch below.
 REGISTERED = sorted(POLICY_LOSS_FN._default_mapping)
@@ -246,9 +235,6 @@ REGISTERED = sorted(POLICY_LOSS_FN._default_mapping)
 def test_dp_group_is_never_a_data_key(name):
     loss_fn = POLICY_LOSS_FN.get(name)(backend="verl", **POLICY_LOSS_FN.get(name).default_args())
     assert "dp_group" not in loss_fn.select_keys and "bapo" in REGISTERED
-
-
-# --- nothing changes for existing losses -------------------------------------------------------
 
 
 @pytest.mark.parametrize("layout", ["padded", "jagged"])
@@ -274,9 +260,6 @@ def test_same_result_with_kl_loss(name, dp_group):
         with_group = through_engine_loss(name, src, layout, kl_loss_fn="k2", dp_group=dp_group)
         assert_same_result(without, expected, f"{name}+k2 ({layout}) without dp_group")
         assert_same_result(with_group, expected, f"{name}+k2 ({layout}) with dp_group")
-
-
-# --- the group reaches the losses that ask for it, and only those ------------------------------
 
 
 def recording_loss(runtime_keys=()):

@@ -45,9 +45,6 @@ def all_finite(value) -> bool:
     return not isinstance(value, float) or math.isfinite(value)
 
 
-# --------------------------------------------------------------------------- make demo
-
-
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
@@ -80,9 +77,6 @@ def test_demo_bapo_stays_in_the_paper_ranges_and_ppo_is_fixed(demo):
     assert all(pair == [0.8, 1.28] for row in ppo for pair in row["pairs"])
 
 
-# --------------------------------------------------------------------------- make experiment
-
-
 def test_quick_study_trains_every_run_and_writes_its_reports(tmp_path):
     result = last_json(run_module("scripts.experiment", "--quick", "--out", tmp_path))
     assert result["runs_finished"] == 6 * 2 * 2 and all_finite(result)
@@ -96,9 +90,6 @@ def test_quick_study_trains_every_run_and_writes_its_reports(tmp_path):
         assert all(r["dp_group_forwarded"] and all_finite(r) for r in rows), path
         if path.parts[-2] in ("ppo", "ppo_clip_higher", "bapo_fixed_start"):
             assert not any(r["moved"] for r in rows), path
-
-
-# --------------------------------------------------------------------------- make bench
 
 
 @pytest.fixture(scope="module")
@@ -154,9 +145,6 @@ def test_cuda_figures_run_their_code_path_on_cpu():
     for key in ("bapo_over_ppo_fwd", "bapo_over_ppo_fwd_bwd", "search_ms"):
         assert result[key] and all(v > 0 and math.isfinite(v) for v in result[key].values())
     assert math.isfinite(result["step_overhead_share"])
-
-
-# --------------------------------------------------------------------------- harness pieces
 
 
 def test_stop_reward_hand_examples():

@@ -4,19 +4,10 @@ from typing import Any, Dict, Tuple
 
 import torch
 
-# The paper's Sec. 5.1 values, as BAPOPolicyLossFn.default_args() has them
-PAPER: Dict[str, Any] = dict(
-    ratio_lower_start=0.6,
-    ratio_lower_max=0.9,
-    ratio_lower_step=0.02,
-    ratio_upper_start=1.2,
-    ratio_upper_max=3.0,
-    ratio_upper_step=0.05,
-    positive_contribution_target=0.4,
-    clip_ratio_c=3.0,
-)
+from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 
-
+# The paper's Sec. 5.1 grid and target, BAPO's defaults (tests/test_bapo_config.py checks them)
+PAPER: Dict[str, Any] = BAPOPolicyLossFn.default_args()
 PAPER_PATH_STEPS = 51  # (37 - 1) upper + (16 - 1) lower steps when the target is never met
 
 

@@ -32,6 +32,8 @@ from scripts.harness.cases import PAPER, bench_batch, search_inputs
 from scripts.harness.launch import write_record
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 
+WARMUP, CALLS_PER_REPEAT = 2, 8  # the bench's untimed repeats; calls per timed repeat
+
 
 class CollectiveCounter(TorchDispatchMode):
     """The c10d ops dispatched while active (``ops``) and the elements each one sends."""
@@ -101,7 +103,7 @@ def gather_rows(row: torch.Tensor):
 def run_bench(args) -> int:
     """Time the per-candidate search, ours and the loss on every rank; rank 0 writes ``--out``.
 
-    Each repeat starts at a barrier and makes ``--calls-per-repeat`` calls back to back, as a
+    Each repeat starts at a barrier and makes ``CALLS_PER_REPEAT`` calls back to back, as a
     trainer calls the loss micro-batch after micro-batch. A step waits for its slowest rank, so
     a repeat counts the slowest rank's time per call; the figure is the median over repeats.
     """
@@ -121,16 +123,16 @@ def run_bench(args) -> int:
         "loss": lambda: loss_fn(**batch, dp_group=group),
     }
     samples = torch.zeros(len(contenders), args.repeats, dtype=torch.float64)
-    for i in range(args.warmup + args.repeats):
+    for i in range(WARMUP + args.repeats):
         for k, call in enumerate(contenders.values()):
             dist.barrier()
             start = time.perf_counter()
-            for _ in range(args.calls_per_repeat):
+            for _ in range(CALLS_PER_REPEAT):
                 call()
-            if i >= args.warmup:
-                samples[k, i - args.warmup] = (time.perf_counter() - start) / args.calls_per_repeat
+            if i >= WARMUP:
+                samples[k, i - WARMUP] = (time.perf_counter() - start) / CALLS_PER_REPEAT
     _, synced = counted_call(loss_fn, **batch, dp_group=group)
-    unsynced = BAPOPolicyLossFn(**PAPER, sync_across_dp=False)
+    unsynced = BAPOPolicyLossFn(**{**PAPER, "sync_across_dp": False})
     ops = {
         "loss_synced": len(synced["collectives"]),
         "loss_synced_values": sum(v or 0 for v in synced["values"]),
@@ -149,7 +151,7 @@ def run_bench(args) -> int:
             "world_size": dist.get_world_size(),
             "tokens_per_rank": ratio.numel(),
             "repeats": args.repeats,
-            "calls_per_repeat": args.calls_per_repeat,
+            "calls_per_repeat": CALLS_PER_REPEAT,
             "median_s": medians,
             "speedup": medians["literal"] / medians["ours"],
             "collectives": ops,
@@ -167,7 +169,7 @@ def run_by_hand(args) -> int:
     ctx = Context(args)
     members = sorted({int(r) for r in args.group.split(",")}) if args.group else range(ctx.world)
     group = dist.new_group(list(members)) if args.group else dist.group.WORLD
-    loss_fn = BAPOPolicyLossFn(contribution=args.contribution, sync_across_dp=not args.no_sync)
+    loss_fn = BAPOPolicyLossFn(sync_across_dp=not args.no_sync)
     disagreements = 0
     for call in range(args.calls):
         row = torch.full((3,), float("nan"), dtype=torch.float64)
@@ -223,13 +225,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     bench.add_argument("--out", required=True)
     bench.add_argument("--tokens-per-rank", type=int, default=16384)
     bench.add_argument("--repeats", type=int, default=15)
-    bench.add_argument("--warmup", type=int, default=2)
-    bench.add_argument("--calls-per-repeat", type=int, default=8)
     by_hand = modes.add_parser("by-hand")
     by_hand.add_argument("--calls", type=int, default=3)
     by_hand.add_argument("--no-sync", action="store_true", help="each rank on its own")
     by_hand.add_argument("--group", default=None, help="comma list of ranks (default WORLD)")
-    by_hand.add_argument("--contribution", default="surrogate", choices=("surrogate", "gradient"))
     for mode in (checks, bench, by_hand):
         mode.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
         mode.add_argument("--seed", type=int, default=0)

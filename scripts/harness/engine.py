@@ -1,10 +1,8 @@
 """verl 0.8's ``FSDPEngineWithLMHead`` on CPU (gloo): build it, lay batches out, read it back.
 
-The engine Trinity's actor trains with runs unchanged on CPU given gloo, eager attention and no
-``torch.compile``. Parameters stay fp32 (the default mixed precision computes in bf16) so that
-the engine's log-probs and a plain fp32 copy's agree. ``engine.train_batch`` then does what
-Trinity's ``update_actor`` does: split the batch into micro-batches, forward, call the loss with
-``dp_group=engine.get_data_parallel_group()``, backward, clip and step.
+The engine Trinity's actor trains with runs unchanged on CPU given gloo, eager attention, no
+``torch.compile`` and fp32 parameters (so that its log-probs and a plain copy's agree). Its
+``train_batch`` splits the batch into micro-batches and calls the loss with its dp group.
 """
 
 from pathlib import Path
@@ -28,10 +26,9 @@ def build_engine(
     micro_batch_size: int = 4,
     seed: int = 0,
 ):
-    """An initialised engine with AdamW (no weight decay), gradient clipping at 1.0, fp32.
+    """An initialised engine: AdamW without weight decay, gradient clipping at 1.0, fp32.
 
-    ``sp_size > 1`` is Ulysses sequence parallelism, which verl allows only with
-    ``use_remove_padding``; the data-parallel group is then the mesh's ``dp`` dimension.
+    ``sp_size > 1`` is Ulysses sequence parallelism (with ``use_remove_padding``, as verl requires).
     """
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
@@ -61,10 +58,7 @@ def build_engine(
 
 
 def engine_batch(data: TensorDict, micro_batch_size: int, use_remove_padding=False) -> TensorDict:
-    """Add the non-tensor fields the engine reads: ``len(data) // micro_batch_size`` micro-batches.
-
-    ``temperature`` 1 keeps the log-probs those of the sampling distribution.
-    """
+    """Add the fields the engine reads: ``len(data) // micro_batch_size`` micro-batches, T = 1."""
     tu.assign_non_tensor(
         data,
         use_dynamic_bsz=False,
@@ -87,8 +81,7 @@ def trinity_layout(
 ) -> TensorDict:
     """A padded batch converted by Trinity's own ``left_right_2_no_padding``, as its trainer does.
 
-    That makes ``input_ids`` and ``position_ids`` jagged over the real tokens, copies
-    ``response_mask`` into ``loss_mask`` and records ``max_seq_len`` and ``max_response_len``.
+    ``input_ids`` and ``position_ids`` become jagged over the real tokens.
     """
     from trinity.trainer.verl.monkey_patch import left_right_2_no_padding
 

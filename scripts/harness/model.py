@@ -48,17 +48,6 @@ def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
 
 
-def logits_for(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Float32 logits of a left-padded batch, positions counting real tokens only."""
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_for(attention_mask),
-        use_cache=False,
-    )
-    return out.logits.float()
-
-
 @torch.no_grad()
 def sample_responses(
     model,
@@ -83,7 +72,9 @@ def sample_responses(
     alive = torch.ones(batch, dtype=torch.bool)
     seen = torch.zeros((batch, VOCAB_SIZE), dtype=torch.bool)
     for t in range(response_len):
-        log_probs = F.log_softmax(logits_for(model, ids, mask)[:, -1], dim=-1)
+        positions = position_ids_for(mask)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+        log_probs = F.log_softmax(out.logits[:, -1].float(), dim=-1)
         token = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(1)
         sampled_lp[:, t] = log_probs.gather(1, token[:, None]).squeeze(1) * alive
         entropy[:, t] = -(log_probs.exp() * log_probs).sum(-1) * alive

@@ -63,7 +63,6 @@ def run_summary(rows: Sequence[Dict]) -> Dict:
     """One run's figures, and what the trainer checked at every step."""
     errors = [r["logprob_layout_err"] for r in rows if r["logprob_layout_err"] is not None]
     return {
-        "steps": len(rows),
         "first_reward": statistics.fmean(r["reward"] for r in rows[: window(rows)]),
         "final_reward": final(rows, "reward"),
         "final_entropy": final(rows, "entropy"),
@@ -74,7 +73,6 @@ def run_summary(rows: Sequence[Dict]) -> Dict:
         "ranks_agree": all(r["ranks_agree"] for r in rows),
         "dp_group_forwarded": all(r["dp_group_forwarded"] for r in rows),
         "logprob_layout_max_err": max(errors) if errors else None,
-        "train_wall_s": rows[-1]["wall_s"],
     }
 
 

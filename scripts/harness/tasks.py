@@ -12,7 +12,7 @@ A prompt is 2 to 4 distinct content tokens and SEP; a response has at most ``RES
   0. Every success is short by construction, a failure as long as the policy goes on.
 """
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -66,12 +66,6 @@ def reward_cover(prompt: Sequence[int], response: Sequence[int]) -> float:
     return len(_wanted(prompt)) / len(response)
 
 
-REWARDS: Dict[str, Callable[[Sequence[int], Sequence[int]], float]] = {
-    "stop": reward_stop,
-    "cover": reward_cover,
-}
-
-
 def goal_tokens(task: str, rows: Sequence[Sequence[int]]) -> Optional[torch.Tensor]:
     """Under ``cover``, one row per prompt of the vocabulary entries that end it; else None."""
     if task != "cover":
@@ -85,7 +79,8 @@ def goal_tokens(task: str, rows: Sequence[Sequence[int]]) -> Optional[torch.Tens
 def scores(task: str, rows, responses: torch.Tensor, mask: torch.Tensor) -> List[float]:
     """The task's reward of every response (its tokens under the mask)."""
     lengths = mask.sum(dim=1).tolist()
-    return [REWARDS[task](p, r[:n]) for p, r, n in zip(rows, responses.tolist(), lengths)]
+    reward = {"stop": reward_stop, "cover": reward_cover}[task]
+    return [reward(p, r[:n]) for p, r, n in zip(rows, responses.tolist(), lengths)]
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:

@@ -1,15 +1,12 @@
 """The one trainer: GRPO on stale rollouts through verl's ``FSDPEngineWithLMHead``.
 
 Each step, every rank's rollout policy (the engine's weights ``lag`` steps ago) answers
-``prompts`` prompts ``group_size`` times, and its own log-probs of the drawn tokens are the
+``prompts`` prompts ``group_size`` times, and its log-probs of the drawn tokens are the
 ``old_log_probs``, as in Trinity's asynchronous mode. The batch, in the layout Trinity's trainer
-hands the actor, trains ``epochs`` passes of ``mini_batches`` ``engine.train_batch`` calls; the
-engine calls ``TrinityPolicyLoss`` ``micro_batches`` times per update with its data-parallel
-group. The step's figures are the reward and entropy of fresh answers to fixed evaluation
-prompts; rank 0 writes one JSON line per step.
-
-``make demo`` runs it under torchrun on 2 ranks; ``make experiment`` calls ``train`` in one-rank
-processes.
+hands the actor, trains ``epochs`` passes of ``mini_batches`` ``engine.train_batch`` calls, each
+calling ``TrinityPolicyLoss`` ``micro_batches`` times with the engine's data-parallel group. The
+step's figures are the reward and entropy of fresh answers to fixed evaluation prompts; rank 0
+writes one JSON line per step. Run under torchrun by ``make demo`` and ``make experiment``.
 """
 
 import argparse
@@ -47,14 +44,6 @@ class Setting(NamedTuple):
     micro_batches: int = 1  # loss calls per update
     lr: float = 3e-3
     eval_prompts: int = 64  # per rank
-
-
-def generators(seed: int, rank: int) -> Dict[str, torch.Generator]:
-    """This rank's random streams: training prompts and samples, evaluation prompts and samples."""
-    names = ("prompts", "sample", "eval_prompts", "eval_sample")
-    return {
-        k: torch.Generator().manual_seed(seed * 1000 + 10 * rank + i) for i, k in enumerate(names)
-    }
 
 
 def rollout(behaviour, gens, setting: Setting):
@@ -164,7 +153,7 @@ def fresh_engine(behaviour, setting: Setting, seed: int):
             shutil.rmtree(folder[0], ignore_errors=True)
 
 
-def train(run: Variant, seed: int, setting: Setting, out: Path, log_every: int = 0) -> Dict:
+def train(run: Variant, seed: int, setting: Setting, out: Path, log_every: int = 0) -> None:
     """Train one run on every rank of the default group; rank 0 writes ``out/metrics.jsonl``."""
     from trinity.trainer.verl.losses import TrinityPolicyLoss
 
@@ -175,13 +164,16 @@ def train(run: Variant, seed: int, setting: Setting, out: Path, log_every: int =
     loss_fn = TrinityPolicyLoss(loss_config(run.loss, run.args))
     recorder = LossRecorder.install(loss_fn, engine.get_data_parallel_group(), keep_inputs=True)
     snapshots = deque([copy.deepcopy(behaviour.state_dict())], maxlen=setting.lag + 1)
-    gens = generators(seed, rank)
+    # this rank's streams: training prompts and samples, evaluation prompts and samples
+    streams = ("prompts", "sample", "eval_prompts", "eval_sample")
+    gens = {
+        k: torch.Generator().manual_seed(seed * 1000 + 10 * rank + i) for i, k in enumerate(streams)
+    }
     eval_rows = sample_prompts(setting.eval_prompts, gens["eval_prompts"])
     eval_set = (eval_rows, *left_pad(eval_rows))
-    sink = None
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        sink = open(out / "metrics.jsonl", "w")
+        (out / "metrics.jsonl").write_text("")
     for step in range(setting.steps):
         lag = len(snapshots) - 1
         behaviour.load_state_dict(snapshots[0])  # the oldest snapshot kept
@@ -207,53 +199,32 @@ def train(run: Variant, seed: int, setting: Setting, out: Path, log_every: int =
         row["ranks_agree"] = ranks_agree(row["pairs"])
         row["dp_group_forwarded"] = recorder.forwarded
         row["wall_s"] = round(time.time() - started, 2)
-        if sink:
-            sink.write(json.dumps(row) + "\n")
-            sink.flush()
+        if rank == 0:
+            with open(out / "metrics.jsonl", "a") as sink:
+                sink.write(json.dumps(row) + "\n")
             if log_every and (step % log_every == 0 or step == setting.steps - 1):
-                print(progress_line(run.name, row), flush=True)
-    if sink:
-        sink.close()
-    return {"variant": run.name, "seed": seed, "steps": setting.steps, "wall_s": row["wall_s"]}
+                figures = "  ".join(f"{key} {row[key]:.3f}" for key in ("reward", "entropy", "rho"))
+                print(
+                    f"[{run.name}] step {step}  {figures}  agree {row['ranks_agree']}", flush=True
+                )
 
 
-def progress_line(name: str, row: Dict) -> str:
-    """One step's metrics as a console line."""
-    figures = "  ".join(f"{key} {row[key]:.3f}" for key in ("reward", "entropy", "rho"))
-    return f"[{name}] step {row['step']}  {figures}  agree {row['ranks_agree']}"
-
-
-def require_patched_trinity() -> None:
-    """Fail early, with the fix, if the installed trinity-rft lacks the interface patch."""
-    from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
-
-    if "dp_group" in getattr(BAPOPolicyLossFn(), "select_keys"):  # read as data: released
-        raise SystemExit("the installed trinity-rft is not patched; run `make setup`")
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    """The trainer's flags, as ``make demo`` passes them."""
-    defaults = Setting()
+def main(argv=None) -> int:
+    """Start gloo, train each variant in turn on every rank, shut down."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variants", default="ppo_clip_higher,bapo_paper")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--no-sync", action="store_true", help="BAPO with sync_across_dp: false")
-    for field, value in defaults._asdict().items():
+    for field, value in Setting()._asdict().items():
         p.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> int:
-    """Start gloo, train each variant in turn on every rank, shut down."""
-    args = parse_args(argv)
+    args = p.parse_args(argv)
     setting = Setting(**{k: getattr(args, k) for k in Setting._fields})
     torch.set_num_threads(1)
     # A rank that gets no group would choose its own bounds; that warning is fatal here.
     warnings.filterwarnings("error", message="BAPO: sync_across_dp is on")
     warnings.filterwarnings("ignore", category=UserWarning)
-    require_patched_trinity()
     dist.init_process_group("gloo")
     try:
         for name in args.variants.split(","):

@@ -4,7 +4,7 @@
 "moved the bounds".
 """
 
-from typing import Dict, List, NamedTuple
+from typing import Dict, List, NamedTuple, Tuple
 
 
 class Variant(NamedTuple):
@@ -32,43 +32,35 @@ def loss_config(name: str, args: dict):
     )
 
 
-def _bapo(**overrides) -> Dict:
-    from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
-
-    return {**BAPOPolicyLossFn.default_args(), **overrides}
-
-
 def all_variants() -> List[Variant]:
     """The six variants, in the order the tables list them."""
-    ppo = dict(clip_range_low=0.2, clip_range_high=0.2)
-    clip_higher = dict(clip_range_low=0.2, clip_range_high=0.28)
-    authors = dict(
-        search_order="lower_first",
-        positive_contribution_target=0.5,
-        ratio_lower_max=0.8,
-        ratio_lower_step=0.05,
-        ratio_upper_max=2.0,
-        ratio_upper_step=0.05,
-    )
-    return [
-        Variant("ppo", "PPO (0.8, 1.2)", "ppo", ppo, [0.8, 1.2]),
-        Variant("ppo_clip_higher", "PPO clip-higher (0.8, 1.28)", "ppo", clip_higher, [0.8, 1.28]),
-        Variant(
+    from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
+
+    authors = dict(search_order="lower_first", positive_contribution_target=0.5)
+    authors.update(ratio_lower_max=0.8, ratio_lower_step=0.05, ratio_upper_max=2.0)
+    bapo: List[Tuple[str, str, Dict]] = [
+        (
             "bapo_fixed_start",
             "ablation: BAPO start pair fixed (0.6, 1.2)",
-            "bapo",
-            _bapo(ratio_lower_max=0.6, ratio_upper_max=1.2),
-            [0.6, 1.2],
+            dict(ratio_lower_max=0.6, ratio_upper_max=1.2),
         ),
-        Variant("bapo_paper", "BAPO, paper defaults", "bapo", _bapo(), [0.6, 1.2]),
+        ("bapo_paper", "BAPO, paper defaults", {}),
+        ("bapo_gradient", "BAPO, contribution: gradient", dict(contribution="gradient")),
+        ("bapo_authors", "BAPO, authors' settings", authors),
+    ]
+    ppo = dict(clip_range_low=0.2, clip_range_high=0.2)
+    return [
+        Variant("ppo", "PPO (0.8, 1.2)", "ppo", ppo, [0.8, 1.2]),
         Variant(
-            "bapo_gradient",
-            "BAPO, contribution: gradient",
-            "bapo",
-            _bapo(contribution="gradient"),
-            [0.6, 1.2],
+            "ppo_clip_higher",
+            "PPO clip-higher (0.8, 1.28)",
+            "ppo",
+            {**ppo, "clip_range_high": 0.28},
+            [0.8, 1.28],
         ),
-        Variant("bapo_authors", "BAPO, authors' settings", "bapo", _bapo(**authors), [0.6, 1.2]),
+    ] + [
+        Variant(name, label, "bapo", {**BAPOPolicyLossFn.default_args(), **args}, [0.6, 1.2])
+        for name, label, args in bapo
     ]
 
 
