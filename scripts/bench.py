@@ -1,21 +1,14 @@
 """`make bench`: BAPO's cost beside PPO, against a per-candidate search, over ranks, in memory.
 
-Every figure is a ratio against a baseline timed side by side in the same process
-(``torch.utils.benchmark`` timers, contenders interleaved, medians) and printed with its
-target; the last stdout line is one JSON object. The CPU part runs on one torch thread:
-
-* ``bapo_over_ppo_loss``: one BAPO forward over one PPO forward, 64 x 1,024 tokens on which the
-  paper's target is never met (the whole 51-step path);
-* ``speedup_vs_literal_loop``: the per-candidate search (one ``.item()`` per pair, as the
-  authors' code does) over ours;
-* ``dp_speedup_vs_per_candidate_allreduce``, ``collectives_per_call``,
-  ``all_reduce_values_per_call``: the same on 4 gloo ranks, and what one synchronised call sends;
-* ``large_grid_peak_rss_over_input``: peak resident-memory growth of one search over 2,000,000
-  tokens and 2,000 candidates, over the inputs' bytes.
-
-Where a GPU exists, ``cuda`` adds the loss ratios per token count, ``search_ms``, and
-``step_overhead_share``: BAPO's forward and backward minus PPO's, over one bf16 training step of
-a Qwen2-0.5B-shaped model built from its config. Run: python -m scripts.bench [--quick]
+Each figure is a ratio against a baseline timed beside it (``torch.utils.benchmark``, interleaved
+rounds, medians), printed with its target; the last stdout line is one JSON object. CPU, one
+thread: ``bapo_over_ppo_loss`` (forwards, 65,536 tokens, the whole 51-step path),
+``speedup_vs_literal_loop`` (one ``.item()`` per candidate, as the authors' code, over ours),
+``dp_speedup_vs_per_candidate_allreduce``, ``collectives_per_call`` and
+``all_reduce_values_per_call`` (4 gloo ranks), ``large_grid_peak_rss_over_input`` (2,000,000
+tokens, 2,000 candidates). On a GPU, ``cuda`` adds the loss ratios, ``search_ms`` and
+``step_overhead_share`` (over one bf16 step of a Qwen2-0.5B-shaped model built from its config).
+Run: python -m scripts.bench [--quick]
 """
 
 import argparse

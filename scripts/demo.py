@@ -1,13 +1,10 @@
 """`make demo`: PPO against BAPO through verl's FSDP engine on R gloo ranks (CPU), with a figure.
 
-Launches the harness trainer under torchrun: a tiny random-init Llama learns the ``stop`` task
-from GRPO rollouts of a copy of the policy ``--lag`` updates old, once with PPO's clip-higher
-pair (0.8, 1.28) and once with BAPO's paper defaults, on the same seeds, both through Trinity's
-``TrinityPolicyLoss`` with the engine's data-parallel group. Draws ``<out>/report.png`` (copied
-to ``docs/demo_report.png`` unless ``--no-docs``); the last stdout line is one JSON object.
-Exit status: 1 if the ranks used different clip pairs or the loss never saw the engine's group,
-2 if the workers failed, 3 if they timed out.
-Run: python -m scripts.demo [--steps N] [--ranks R] [--no-sync]
+The harness trainer, under torchrun, trains a tiny Llama on ``stop`` from rollouts ``--lag``
+updates old, with PPO's pair (0.8, 1.28) and with BAPO's defaults, on the same seeds. Draws
+``<out>/report.png`` (and ``docs/demo_report.png``); the last stdout line is one JSON object.
+Exit status 1 if the ranks used different pairs or the loss missed the engine's group, 2 if the
+workers failed, 3 if they timed out. Run: python -m scripts.demo [--steps N] [--ranks R]
 """
 
 import argparse

@@ -8,6 +8,10 @@ PAPER_STEPS = 36 + 15  # (3.0 - 1.2) / 0.05 upper steps, then (0.9 - 0.6) / 0.02
 RANGE_ARGS = [
     f"ratio_{side}_{part}" for side in ("lower", "upper") for part in ("start", "max", "step")
 ]
+# The metrics BAPO documents: its own, then PPOPolicyLossFn's
+BAPO_METRICS = [f"bapo_{k}" for k in ("clip_low", "clip_high", "positive_contribution")]
+BAPO_METRICS += [f"bapo_{k}" for k in ("target_met", "search_steps", "nonfinite_tokens")]
+METRIC_KEYS = {*BAPO_METRICS, "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "pg_loss"}
 BOTH = [(o, c) for o in ("upper_first", "lower_first") for c in ("surrogate", "gradient")]
 
 

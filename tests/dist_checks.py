@@ -72,15 +72,12 @@ def every_config(ctx, data, group, **extra) -> Dict[str, Dict]:
 
 
 def make_case(case: str, rank: int, world: int, seed: int = 0) -> Dict[str, torch.Tensor]:
-    """One rank's padded micro-batch for ``case``; differs in shape and sign mix per rank.
+    """One rank's padded float32 micro-batch for ``case``, its shape and sign mix its own.
 
-    - ``mixed``: every rank has both signs, in different proportions.
-    - ``one_empty``: as ``mixed`` but the last rank's response mask is all zero (its values are
-      wild on purpose: a rank that leaks masked tokens into the sums is caught).
-    - ``signs``: rank 0 only positive advantages, rank 1 only negative, the rest mixed.
-
-    Returns float32 ``logprob``, ``old_logprob``, ``advantages``, an int ``mask`` and the
-    per-row response lengths ``response_len`` (the mask is zero beyond them, as padding is).
+    ``mixed``: both signs on every rank, in different proportions. ``one_empty``: the last
+    rank's mask is all zero, over wild values (a rank leaking masked tokens is caught).
+    ``signs``: rank 0 only positive advantages, rank 1 only negative. With an int ``mask`` and
+    the rows' ``response_len`` (the mask is zero beyond them, as padding is).
     """
     gen = torch.Generator().manual_seed(_case_seed(seed, case, rank))
     rows, width = 3 + rank, 6 + 3 * rank

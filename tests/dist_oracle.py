@@ -1,4 +1,4 @@
-"""The union oracle of the distributed and engine tests.
+"""The union oracle of the distributed and engine tests, and how they read the ranks' pairs.
 
 The literal transcription in ``bapo_reference`` run on the concatenated token lists of several
 ranks: what one process would decide on their union. Nothing expected comes from the code under
@@ -81,6 +81,13 @@ def compare_to_union(results, datas, name, prefix=""):
             if not math.isclose(loss, want_loss, rel_tol=1e-4, abs_tol=1e-6):
                 problems.append(f"{where}: pg_loss {loss} != {want_loss} at the union pair")
     return problems
+
+
+def pairs_by_call(calls_by_rank):
+    """For each loss call, the (c_low, c_high) each rank chose; every rank made as many calls."""
+    assert len({len(calls) for calls in calls_by_rank}) == 1, "ranks made different call counts"
+    keys = ("bapo_clip_low", "bapo_clip_high")
+    return [[tuple(c["metrics"][k] for k in keys) for c in calls] for calls in zip(*calls_by_rank)]
 
 
 def locals_differ(datas, name):

@@ -1,18 +1,12 @@
 """Checks inside verl 0.8's FSDP engine, run on every rank by the harness's DP worker.
 
-``... -m scripts.harness.dp_worker checks --module engine_checks --checks engine|worker``
-(``tests/`` on ``PYTHONPATH``), options as ``--option key=value``:
-
-- ``engine`` (``strategy``, ``sp``, ``phases``, ``released_losses``): every rank builds
-  ``FSDPEngineWithLMHead`` on one tiny Llama and trains a few ``engine.train_batch`` steps with
-  Trinity's ``TrinityPolicyLoss`` around ``bapo``; the engine alone decides the micro-batches and
-  the group. Phases: ``sync``, ``authors`` (their order and grid), ``nosync`` (a control that
-  must disagree) and ``released`` (the released ``losses.py``, which drops the group).
-- ``worker`` (``config``): a Trinity job's trainer rank minus Ray: ``load_config``,
-  ``build_verl_config``, ``TrinityActorRolloutRefWorker`` with ``init_model`` and
-  ``set_trinity_config``, then one ``update_actor`` on this rank's share of a batch.
-
-The harness's ``LossRecorder`` notes every call's group, inputs and pair.
+- ``engine`` (options ``strategy``, ``sp``, ``phases``, ``released_losses``): every rank builds
+  ``FSDPEngineWithLMHead`` on one tiny Llama and trains ``engine.train_batch`` steps through
+  ``TrinityPolicyLoss`` around ``bapo``; the engine alone picks the micro-batches and the group.
+  Phases: ``sync``, ``authors`` (their order and grid), ``nosync`` and ``released`` (the
+  released ``losses.py``, which drops the group): the last two controls must disagree.
+- ``worker`` (option ``config``): a Trinity trainer rank minus Ray, from the YAML to one
+  ``update_actor`` on this rank's share of a batch.
 """
 
 import importlib.util

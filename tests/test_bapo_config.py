@@ -1,9 +1,7 @@
 """BAPO as a Trinity algorithm: registration, preset, defaults and the GSM8K example config.
 
-Expected values come from the paper's Sec. 5.1 hyper-parameters and from the README's settings
-table, never from the code under test. The example
-config goes through Trinity's own loader and validators, the path `trinity run` takes, as far
-as that path runs without a GPU, a model download, Ray or network access.
+Expected values come from the paper's Sec. 5.1 and the README's settings table. The example goes
+through Trinity's own loader and validators, as far as `trinity run`'s path runs offline.
 """
 
 import inspect

@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from scripts.harness.cases import bench_batch, search_inputs
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -20,15 +21,8 @@ SETTINGS = [
 ]
 
 
-def _batch(seed, device, negative_share=0.6):
-    gen = torch.Generator().manual_seed(seed)
-    old = -3.0 * torch.rand(16, 256, generator=gen)
-    logprob = old + 0.4 * torch.randn(16, 256, generator=gen)
-    sign = torch.where(torch.rand(16, 1, generator=gen) < negative_share, -1.0, 1.0)
-    adv = (sign * (0.1 + torch.rand(16, 1, generator=gen))).expand(16, 256).contiguous()
-    mask = torch.rand(16, 256, generator=gen) < 0.9
-    batch = dict(logprob=logprob, old_logprob=old, action_mask=mask, advantages=adv)
-    batch = {k: v.to(device) for k, v in batch.items()}
+def _batch(seed, device):
+    batch = bench_batch((16, 256), seed, negative_share=0.6, device=device)
     batch["logprob"].requires_grad_(True)
     return batch
 
@@ -71,10 +65,7 @@ def test_search_syncs_the_host_once(contribution):
     """The sums stay on the device; the walk copies them to the host once."""
     fn = BAPOPolicyLossFn(contribution=contribution)
     batch = _batch(1, "cuda")
-    raw = batch["logprob"].detach() - batch["old_logprob"]
-    ratio = torch.exp(torch.clamp(raw, -20.0, 20.0))
-    finite = torch.isfinite(raw + batch["advantages"])
-    args = (ratio, batch["advantages"], batch["action_mask"], finite)
+    args = search_inputs(batch)
     fn.search.local_sums(*args)  # first call copies the small candidate grids to the device
     sums, in_sums = _syncs(lambda: fn.search.local_sums(*args))
     _, in_walk = _syncs(lambda: fn.search.decide(sums))

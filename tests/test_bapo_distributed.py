@@ -1,11 +1,9 @@
 """BAPO's data-parallel bound search, run for real with torchrun on gloo (CPU).
 
-With ``sync_across_dp`` every rank of the dp group must take the decision one process would take
-on the union of the ranks' tokens: the literal transcription in ``bapo_reference`` run on the
-concatenated token lists, and the single-process gradient recomputed here from the README's
-loss. One launch per world size (2, 3, 4) runs every check of ``tests/dist_checks.py`` in the
-harness's DP worker; each test reads one check, so a failure names its check, world size, case,
-config and rank. nccl variants are collected too and skipped unless each rank has a GPU.
+With ``sync_across_dp`` every rank must take the decision one process takes on the union of the
+ranks' tokens (the literal oracle on the concatenated token lists; the gradient from the
+README's loss). One launch per world size (2, 3, 4) runs every check of ``tests/dist_checks.py``;
+a failure names its check, world size, case, config and rank. nccl runs where GPUs exist.
 """
 
 import math
@@ -16,14 +14,7 @@ import torch
 
 import bapo_reference as ref
 import dist_checks as common
-from dist_oracle import (
-    compare_to_union,
-    got_choice,
-    locals_differ,
-    oracle,
-    tokens_of,
-    union_tokens,
-)
+from dist_oracle import compare_to_union, got_choice, locals_differ, oracle, tokens_of, union_tokens
 from scripts.harness.launch import tail, torchrun
 
 BASE_CHECKS = ["group_none", "oracle", "trinity", "sync_off", "nonfinite", "gradient"]
@@ -74,10 +65,8 @@ def results(launches, world, backend, name):
 @pytest.mark.parametrize("world", WORLDS)
 def test_launch_ends_cleanly(launches, world, backend):
     """Every check ran and torchrun exited 0 (a check's own test reports its failure)."""
-    results(launches, world, backend, "group_none")
-    launch, records = launches.records(
-        f"dist_{world}_{backend}", world, "dist_checks", CHECKS_BY_WORLD[world], backend
-    )
+    results(launches, world, backend, "group_none")  # launched by now, or skipped
+    launch, records = launches.done[f"dist_{world}_{backend}"]
     assert launch.code == 0, f"{world} ranks: exit {launch.code}\n{tail(launch.err)}"
     assert all(list(r["checks"]) == CHECKS_BY_WORLD[world] for r in records)
 

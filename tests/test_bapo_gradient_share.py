@@ -1,15 +1,9 @@
 """The sums behind rho, and rho under ``contribution: gradient`` as autograd's positive share.
 
-Every autograd check of BAPO lives here, with two oracles, neither taken from the code under test:
-
-- ``autograd_share``: P and N are the sums of |dL/dlogp| of BAPO's own returned loss over the
-  tokens with A > 0 and A < 0; BAPO must report P / (P + N) at the pair it chose. In every
-  aggregation mode, past the +-20 log-ratio clamp, in bfloat16, float16 and float32, with integer
-  and fractional masks. With 16-bit advantages, A r and A c can round to one value though r != c,
-  where autograd halves the gradient and the search does not: the gap is bounded by those tokens.
-- ``pair_sums``: P and N at one pair as exact sums, from Eq. 8 as printed (``surrogate``) or from
-  autograd on the per-token loss as the README writes it (``gradient``). Every candidate's sums
-  must equal them, also beside one token a thousand billion billion times larger than the rest.
+Every autograd check of BAPO lives here, with two oracles, neither the code under test:
+``autograd_share`` (P and N as sums of |dL/dlogp| of BAPO's own loss over A > 0 and A < 0, in
+every aggregation mode, past the log-ratio clamp, in 16 and 32 bits, with any mask) and
+``pair_sums`` (exact sums at one pair from Eq. 8, or from autograd on the README's loss).
 """
 
 import math
@@ -29,11 +23,9 @@ GRADIENT = dict(contribution="gradient")
 def autograd_share(fn, logprob, old, mask, adv):
     """Return BAPO's metrics, autograd's P / (P + N), and the weight of each token it halved.
 
-    Autograd passes on a part (1, 1/2 or 0) of each token's |A| r w, w its weight in Trinity's
-    ``aggregate_loss``: the same part for the loss BAPO returns and for the README's per-token
-    loss at the chosen pair, so aggregated. A 16-bit gradient is itself rounded, so each part is
-    read off autograd's gradient, checked against it to the dtype's resolution, and summed in
-    float64.
+    Autograd passes on a part (1, 1/2 or 0) of each token's |A| r w (w: its weight in Trinity's
+    ``aggregate_loss``), the same for BAPO's loss and the README's at the chosen pair. The parts
+    are read off the (rounded, in 16 bits) gradient, checked against it, and summed in float64.
     """
     probe = torch.ones_like(adv, dtype=torch.float64, requires_grad=True)
     (weight,) = torch.autograd.grad(aggregate_loss(probe, mask, fn.loss_agg_mode), probe)

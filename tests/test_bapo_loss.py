@@ -17,34 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from bapo_inputs import (
-    BOTH,
-    PAPER_MAX,
-    PAPER_START,
-    PAPER_STEPS,
-    RANGE_ARGS,
-    batch,
-    call,
-    chosen,
-    mask_values,
-    point,
-)
+import bapo_inputs as inputs
+from bapo_inputs import BOTH, PAPER_START, RANGE_ARGS, batch, call, chosen, mask_values, point
 from scripts.harness.launch import REPO
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import LOSS_AGG_MODES, BAPOPolicyLossFn
 from trinity.algorithm.policy_loss_fn.ppo_policy_loss import PPOPolicyLossFn
-
-METRIC_KEYS = {
-    "bapo_clip_low",
-    "bapo_clip_high",
-    "bapo_positive_contribution",
-    "bapo_target_met",
-    "bapo_search_steps",
-    "bapo_nonfinite_tokens",
-    "pg_clipfrac",
-    "pg_clipfrac_lower",
-    "ppo_kl",
-    "pg_loss",
-}
 
 
 @pytest.mark.parametrize("order, contribution", BOTH)
@@ -270,7 +247,7 @@ def test_metrics_are_flat_documented_python_numbers(order, contribution):
     _, m = call(
         BAPOPolicyLossFn(search_order=order, contribution=contribution), logprob, old, mask, adv
     )
-    assert set(m) == METRIC_KEYS
+    assert set(m) == inputs.METRIC_KEYS
     for key, value in m.items():
         assert type(value) in (float, int), (key, type(value))
     assert type(m["bapo_search_steps"]) is int and type(m["bapo_nonfinite_tokens"]) is int
@@ -395,4 +372,4 @@ def test_masked_nonfinite_values_touch_neither_loss_nor_gradient(
     assert torch.equal(loss, clean_loss) and torch.equal(grad, clean_grad)
     assert (grad[mask == 0] == 0).all() and (grad[mask == 1] != 0).any()
     assert m == clean_m and m["bapo_nonfinite_tokens"] == 0
-    assert chosen(m) == PAPER_MAX and m["bapo_search_steps"] == PAPER_STEPS
+    assert chosen(m) == inputs.PAPER_MAX and m["bapo_search_steps"] == inputs.PAPER_STEPS

@@ -1,11 +1,8 @@
 """BAPO's bound search against independent oracles (single process).
 
-- Random cases: the search inside ``BAPOPolicyLossFn`` must choose the same pair, take the
-  same number of steps and report the same rho as the literal transcription in
-  ``bapo_reference`` (Algorithm 1 for ``upper_first``, the authors' loops for ``lower_first``).
-- The paper grid: exact end points and step count, and the float trap it avoids.
-- The histogram behind every candidate's sums, against a plain loop. The sums themselves (Eq. 8
-  and autograd's |dL/dlogp|) are checked in ``test_bapo_gradient_share``.
+Random cases must choose the same pair, steps and rho as the literal transcription in
+``bapo_reference`` (Algorithm 1, or the authors' loops for ``lower_first``); the paper grid
+reaches its exact ends; the histogram behind every candidate's sums equals a plain loop.
 """
 
 import math

@@ -1,17 +1,12 @@
 """The `dp_group` policy-loss interface (patches 0001 and 0002).
 
 verl 0.8's engine calls `loss_fn(model_output, data, dp_group=...)`; the patched
-`TrinityPolicyLoss` forwards it, and the patched `PolicyLossFn` metaclass hands it only to
-losses that declare it in `_runtime_keys`; it is never a data key. So:
-
-* nothing changes for a loss that does not ask for the group: every registered loss gives the
-  same loss, gradient and metrics through `TrinityPolicyLoss` with a group and without, and as
-  when called directly on padded tensors (the pre-patch behaviour);
-* a loss that asks for the group gets the very object the engine passed.
-
-The batch is what the engine hands the loss: per-sample fields in a `TensorDict`, the model's
-log-probs flat over each sequence, where response token j of a sequence with prompt length p sits
-at p - 1 + j. The oracle builds the padded response log-probs from that rule directly.
+`TrinityPolicyLoss` forwards it, and the patched metaclass hands it only to losses that declare
+it in `_runtime_keys`; it is never a data key. So every registered loss gives the same loss,
+gradient and metrics with and without a group, and as called directly on padded tensors (the
+pre-patch behaviour); and a loss that asks for the group gets the very object the engine passed.
+The batch is the engine's: a `TensorDict`, the log-probs flat over each sequence (response token
+j of a sequence with prompt length p at p - 1 + j, the rule the oracle uses directly).
 """
 
 from datetime import timedelta
@@ -38,16 +33,10 @@ MASKED_INSIDE = [(0, 2), (2, 0), (2, 4)]  # response tokens excluded from the lo
 
 
 def _source(seed: int = 0) -> Dict[str, torch.Tensor]:
-    """Build per-token values of the test batch and the flat model log-probs.
-
-    Right-padded with zeros to the longest response (as Trinity's gather functions pad), plus
-    the flat model log-probs over whole sequences.
-    """
+    """Per-token values right-padded with zeros (as Trinity pads), and the flat model log-probs."""
     gen = torch.Generator().manual_seed(seed)
     batch, width = len(RESPONSE_LENS), max(RESPONSE_LENS)
-    valid = torch.zeros(batch, width, dtype=torch.bool)
-    for i, length in enumerate(RESPONSE_LENS):
-        valid[i, :length] = True
+    valid = torch.arange(width) < torch.tensor(RESPONSE_LENS)[:, None]
     mask = valid.clone()
     for i, j in MASKED_INSIDE:
         mask[i, j] = False
@@ -109,13 +98,10 @@ def build_batch(src, layout: str) -> TensorDict:
     p_width, batch = max(PROMPT_LENS), len(PROMPT_LENS)
     per_sample = {"expert_mask": src["expert_mask"], "step": src["step"]}
     if layout == "padded":
-        prompt, response = (ids[:, :p_width], attention[:, :p_width]), (
-            ids[:, p_width:],
-            attention[:, p_width:],
-        )
-        data = trinity_layout(
-            *prompt, *response, src["old_log_probs"].clone(), src["advantages"].clone()
-        )
+        split = [p_width, attention.shape[1] - p_width]
+        (prompts, responses), (p_mask, r_mask) = ids.split(split, 1), attention.split(split, 1)
+        old, adv = src["old_log_probs"].clone(), src["advantages"].clone()
+        data = trinity_layout(prompts, p_mask, responses, r_mask, old, adv)
         data["ref_log_prob"] = src["ref_log_prob"].clone()
         data["response_mask"] = src["response_mask"].long()  # holes; the loss takes non-bool masks
         data.update(per_sample)

@@ -1,29 +1,19 @@
 """From a Trinity YAML file to BAPO's decision, through Trinity's actor worker (CPU, gloo).
 
-The ``worker`` check of ``tests/engine_checks.py`` loads the YAML below with Trinity's
-``load_config``, builds verl's config with ``build_verl_config``, starts
-``TrinityActorRolloutRefWorker`` on 2 ranks (verl's ``TrainingWorker`` and FSDP2 engine inside),
-lets ``set_trinity_config`` install ``TrinityPolicyLoss`` and runs one ``update_actor``; only the
-Ray dispatch is bypassed. The run uses the trainer's dynamic batch sizes
-(``use_dynamic_bsz: true``): the engine packs micro-batches by token count, and since one rank
-holds longer sequences than the other, it must raise that rank's count to the other's.
-
-Checked: the YAML's ``sync_across_dp`` is what the loss uses; with it on, every loss call gets
-the engine's group and both ranks pick the same pair at every call; with it off they differ on
-the same data; the ``actor/bapo_*`` metrics come back from ``update_actor``.
+The ``worker`` check of ``tests/engine_checks.py`` takes the YAML below through ``load_config``,
+``build_verl_config`` and ``TrinityActorRolloutRefWorker`` on 2 ranks, then one
+``update_actor``; only Ray is bypassed. With ``use_dynamic_bsz`` the engine packs micro-batches
+by tokens, and since one rank holds longer sequences, it must raise the other's count to match.
+Checked: the YAML's ``sync_across_dp`` reaches the loss; with it on, every call gets the engine's
+group and the ranks agree at every call, with it off they differ; the metrics come back.
 """
 
 import pytest
 
+from bapo_inputs import BAPO_METRICS
+from dist_oracle import pairs_by_call
+
 RANKS = 2
-BAPO_METRICS = (
-    "bapo_clip_low",
-    "bapo_clip_high",
-    "bapo_positive_contribution",
-    "bapo_target_met",
-    "bapo_search_steps",
-    "bapo_nonfinite_tokens",
-)
 
 # The model settings a CPU needs (eager attention, fp32, no torch.compile, no tokenizer in the
 # tiny model's folder) go through trainer_config, Trinity's way of overriding verl's config.
@@ -87,11 +77,8 @@ def runs(launches, tmp_path_factory):
 
 def pairs_per_call(records):
     calls = [record["calls"] for record in records]
-    assert len({len(c) for c in calls}) == 1 and calls[0], "ranks made different call counts"
-    pairs = [
-        [(c["metrics"]["bapo_clip_low"], c["metrics"]["bapo_clip_high"]) for c in r] for r in calls
-    ]
-    return list(zip(*pairs))
+    assert calls[0], "no loss call"
+    return pairs_by_call(calls)
 
 
 @pytest.mark.parametrize("sync", [True, False])

@@ -1,12 +1,9 @@
 """`make pr`'s two patches each apply alone to the Trinity-RFT 0.6.0 sdist, and their tests pass.
 
-`make pr` writes the BAPO pull request and the unrelated config fix as separate patches. Each
-is applied with `git apply --check` and `git apply`, as a maintainer would, to its own freshly
-unpacked source distribution (from PyPI, cached under build/sdist/; the tests skip only where it
-cannot be downloaded). The touched files must then equal ours: the installed, patched
-trinity-rft files and the files as the repo holds them. Each pull request's own unit test then
-runs against its tree's code, with this environment's packages; the config fix's test must
-also fail on the released tree, or it would prove nothing.
+Each patch goes through `git apply --check` and `git apply` on its own fresh sdist (from PyPI,
+cached under build/sdist/; skipped only where it cannot be had); the touched files must equal the
+installed ones and ours, and its unit test must pass there. The config fix's test must also fail
+on the released tree, or it would prove nothing.
 """
 
 import importlib.metadata

@@ -1,11 +1,8 @@
-"""Tests for scripts/trinity_patches.py, each run on a scratch copy of the trinity package.
+"""Tests for scripts/trinity_patches.py, each on a scratch copy of the trinity package.
 
-Where the released files come from: CI's only copy of trinity-rft is the one installed in the
-venv, which `make setup` has already patched and filled with our modules. A fixture shared by the
-whole test run copies the installed package and its dist-info, drops every file pip's RECORD
-does not list (our modules, bytecode caches) and, if needed, reverse-applies patches/series with
-plain GNU `patch -R`, without the tool under test. It then checks every file against the sha256
-in RECORD, so the tests never run on files that are not the release.
+The released files are rebuilt without the tool under test: a session fixture copies the
+installed (patched) package and its dist-info, drops what pip's RECORD does not list, reverses
+patches/series with GNU `patch -R` if needed, and checks every file against RECORD's sha256.
 """
 
 import base64

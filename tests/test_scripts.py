@@ -1,11 +1,4 @@
-"""The scripts end to end (demo, experiment, bench), and the harness pieces they rest on.
-
-``make demo``, ``make experiment --quick`` and ``make bench --quick`` run short; the pieces are
-checked against hand-worked examples or an oracle.
-
-The demo and the experiment run the harness trainer through verl's engine; each run here is a
-short one, launched as the make target launches it, under a timeout.
-"""
+"""The scripts end to end, short, and the harness pieces they rest on, by hand-worked examples."""
 
 import json
 import math

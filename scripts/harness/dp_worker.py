@@ -1,17 +1,11 @@
 """The one torchrun data-parallel worker: BAPO's loss called on every rank with a real group.
 
-``python -m torch.distributed.run --nproc_per_node=N -m scripts.harness.dp_worker MODE ...``
-
-- ``checks --out DIR --checks a,b --module M [--option k=v]``: the named checks of module ``M``
-  (the tests' ``dist_checks`` and ``engine_checks``), in order; each rank rewrites
-  ``DIR/rank<R>.json`` after each one. Options reach the checks as ``ctx.options``.
-- ``bench --out FILE``: the bench's data-parallel figure.
-- ``by-hand [--calls K] [--no-sync] [--group 0,1]``: every rank's pair per call and whether the
-  group agrees (``make dp-check``); exit 1 if synchronised ranks disagree.
-
-Collectives are counted by a TorchDispatchMode, which sees every ``c10d`` op whichever Python
-path issued it. A failing check ends the run at once, since its peers may be waiting in a
-collective it will never join; their process-group timeout records that as their own error.
+``python -m torch.distributed.run --nproc_per_node=N -m scripts.harness.dp_worker MODE ...``:
+``checks`` runs the named checks of a tests/ module (``--option k=v`` reach them as
+``ctx.options``), rewriting ``DIR/rank<R>.json`` after each; ``bench`` times the bench's
+data-parallel figure; ``by-hand`` prints every rank's pair per call (``make dp-check``) and exits
+1 if synchronised ranks disagree. Collectives are counted by a TorchDispatchMode, which sees
+every ``c10d`` op. A failing check ends the run at once: its peers may be waiting for it.
 """
 
 import argparse
