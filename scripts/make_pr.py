@@ -78,12 +78,8 @@ def source_distribution() -> Path:
     if not SDIST.is_file():
         SDIST.parent.mkdir(parents=True, exist_ok=True)
         pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-        done = subprocess.run(
-            [*pip, "trinity-rft==0.6.0", "-d", str(SDIST.parent)],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        pip += ["trinity-rft==0.6.0", "-d", str(SDIST.parent)]
+        done = subprocess.run(pip, capture_output=True, text=True, timeout=600)
         if done.returncode != 0 or not SDIST.is_file():
             raise RuntimeError(f"cannot download the trinity-rft 0.6.0 sdist:\n{done.stderr}")
     return SDIST
@@ -99,10 +95,9 @@ def unpack(into: Path) -> Path:
 def git(root: Path, *args: str) -> str:
     """Run git in ``root`` (never in an enclosing repository) and return its output."""
     env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(root.parent)}
-    done = subprocess.run(
-        ["git", *args], cwd=root, capture_output=True, text=True, check=True, env=env
-    )
-    return done.stdout
+    return subprocess.run(
+        ["git", *args], cwd=root, env=env, capture_output=True, text=True, check=True
+    ).stdout
 
 
 def diff(pr: PullRequest) -> str:

@@ -77,14 +77,8 @@ def counted_call(loss_fn, **kwargs):
 def call_bapo(ctx, loss_fn, data, group):
     """Call BAPO on one case (``logprob``, ``old_logprob``, ``mask``, ``advantages``)."""
     data = ctx.put(data)
-    return counted_call(
-        loss_fn,
-        logprob=data["logprob"],
-        old_logprob=data["old_logprob"],
-        action_mask=data["mask"],
-        advantages=data["advantages"],
-        dp_group=group,
-    )[1]
+    inputs = {key: data[key] for key in ("logprob", "old_logprob", "advantages")}
+    return counted_call(loss_fn, **inputs, action_mask=data["mask"], dp_group=group)[1]
 
 
 def gather_rows(row: torch.Tensor):
@@ -179,11 +173,12 @@ def run_by_hand(args) -> int:
         agree = len({tuple(rows[r][:2]) for r in members}) == 1
         disagreements += not agree
         if ctx.rank == 0:
-            cells = "  ".join(
-                f"rank{r} ({rows[r][0]:.2f}, {rows[r][1]:.2f}) rho={rows[r][2]:.3f}"
-                for r in members
-            )
-            print(f"call {call}: {cells}  agree: {'yes' if agree else 'NO'}", flush=True)
+            cells = [
+                f"rank{r} ({low:.2f}, {high:.2f}) rho={rho:.3f}"
+                for r, (low, high, rho) in enumerate(rows)
+                if r in members
+            ]
+            print(f"call {call}: {'  '.join(cells)}  agree: {'yes' if agree else 'NO'}", flush=True)
     return 1 if disagreements and not args.no_sync else 0
 
 
