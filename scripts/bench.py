@@ -1,14 +1,8 @@
 """`make bench`: BAPO's cost beside PPO, against a per-candidate search, over ranks, in memory.
 
 Each figure is a ratio against a baseline timed beside it (``torch.utils.benchmark``, interleaved
-rounds, medians), printed with its target; the last stdout line is one JSON object. CPU, one
-thread: ``bapo_over_ppo_loss`` (forwards, 65,536 tokens, the whole 51-step path),
-``speedup_vs_literal_loop`` (one ``.item()`` per candidate, as the authors' code, over ours),
-``dp_speedup_vs_per_candidate_allreduce``, ``collectives_per_call`` and
-``all_reduce_values_per_call`` (4 gloo ranks), ``large_grid_peak_rss_over_input`` (2,000,000
-tokens, 2,000 candidates). On a GPU, ``cuda`` adds the loss ratios, ``search_ms`` and
-``step_overhead_share`` (over one bf16 step of a Qwen2-0.5B-shaped model built from its config).
-Run: python -m scripts.bench [--quick]
+rounds, medians), printed with its target; the last stdout line is one JSON object. The figures
+and their baselines are described in docs/benchmarks.md. Run: python -m scripts.bench [--quick]
 """
 
 import argparse
@@ -41,10 +35,9 @@ SIZES: Dict[str, Dict[str, Any]] = {
     "full": dict(shape=(64, 1024), rounds=15, dp_tokens=16384, dp_repeats=15, rss_tokens=2_000_000),
     "quick": dict(shape=(4, 256), rounds=3, dp_tokens=1024, dp_repeats=3, rss_tokens=50_000),
 }
-RANGES = [
-    f"ratio_{side}_{part}" for side in ("lower", "upper") for part in ("start", "max", "step")
-]
-LARGE_GRID = dict(zip(RANGES, (0.5, 0.999, 0.001, 1.0, 2.499, 0.001)))  # 500 + 1,500 candidates
+RANGES = [f"ratio_{s}_{p}" for s in ("lower", "upper") for p in ("start", "max", "step")]
+# 500 lower and 1,500 upper candidates
+LARGE_GRID: Dict[str, Any] = dict(zip(RANGES, (0.5, 0.999, 0.001, 1.0, 2.499, 0.001)))
 QWEN2_0_5B: Dict[str, Any] = dict(  # Qwen2-0.5B's config.json, so that no weights are downloaded
     hidden_size=896,
     intermediate_size=4864,
@@ -59,7 +52,7 @@ QWEN2_0_5B: Dict[str, Any] = dict(  # Qwen2-0.5B's config.json, so that no weigh
 def timed(fns: Dict[str, Callable], rounds: int) -> Dict[str, float]:
     """Median seconds per call of each function, in interleaved rounds."""
     samples: Dict[str, list] = {name: [] for name in fns}
-    for name, fn in fns.items():  # warm-up: lazy allocations and caches
+    for fn in fns.values():  # warm-up: lazy allocations and caches
         fn()
     for _ in range(rounds):
         for name, fn in fns.items():

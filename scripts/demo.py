@@ -40,22 +40,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def trainer_argv(args) -> list:
-    """The trainer's command line: 4 prompts x 8 per rank, 2 epochs of 2 micro-batches."""
-    argv = ["--variants", ",".join(VARIANTS), "--out", args.out, "--seed", args.seed]
-    argv += ["--steps", args.steps, "--lag", args.lag, "--prompts", 4, "--epochs", 2]
-    argv += ["--mini-batches", 1, "--micro-batches", 2, "--eval-prompts", 16]
-    return argv + (["--no-sync"] if args.no_sync else [])
-
-
 def main(argv=None) -> int:
     """Launch, collect, plot, judge; returns the exit status."""
     args, started = parse_args(argv), time.time()
     shutil.rmtree(args.out, ignore_errors=True)  # never report a previous run's numbers
     print(f"{args.ranks} gloo ranks, {', '.join(VARIANTS)}, {args.steps} steps each", flush=True)
-    launch = torchrun(
-        args.ranks, "scripts.harness.trainer", trainer_argv(args), args.timeout, sys.stdout
-    )
+    # 4 prompts x 8 per rank, 2 epochs of 2 micro-batches
+    argv = ["--variants", ",".join(VARIANTS), "--out", args.out, "--seed", args.seed]
+    argv += ["--steps", args.steps, "--lag", args.lag, "--prompts", 4, "--epochs", 2]
+    argv += ["--mini-batches", 1, "--micro-batches", 2, "--eval-prompts", 16]
+    argv += ["--no-sync"] if args.no_sync else []
+    launch = torchrun(args.ranks, "scripts.harness.trainer", argv, args.timeout, sys.stdout)
     if launch.code != 0:
         what = "timed out" if launch.code is None else f"exited {launch.code}"
         print(f"the trainer {what}:\n{tail(launch.err)}", file=sys.stderr)

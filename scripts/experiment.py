@@ -1,11 +1,9 @@
 """`make experiment`: PPO, clip-higher, a fixed-pair ablation and three BAPO settings on stale data.
 
-Each staleness level x seed is one launch of the harness trainer on one gloo rank, training the
-six variants in turn on the same seed and data order; ``--workers`` launches run at a time.
-Writes ``<out>/<level>/seed<k>/<variant>/metrics.jsonl``, ``table.md``, ``summary.json`` and
-``report.png`` (copied to ``docs/experiment_report_<task>.png`` unless ``--quick`` or
-``--no-docs``); the last stdout line is one JSON object. Exit status 2 when a run did not finish.
-Run: python -m scripts.experiment [--task stop|cover] [--quick]
+Each staleness level x seed is one launch of the trainer on one gloo rank, training the six
+variants in turn; ``--workers`` launches at a time. Writes ``<out>/<level>/seed<k>/<variant>/``,
+``table.md``, ``summary.json`` and ``report.png`` (and ``docs/experiment_report_<task>.png``);
+the last stdout line is one JSON object; exit status 2 when a run did not finish.
 """
 
 import argparse

@@ -33,20 +33,13 @@ class PullRequest:
     files: List[str]
 
     def description(self) -> str:
-        """The text before the diff: the description, then what the patch holds, per part."""
+        """The text before the diff: the description, then the parts the patch holds."""
         parts = [(PATCHES / p).read_text().split("\n--- a/", 1)[0].strip() for p in self.patches]
-        return "\n".join(
-            [
-                (PATCHES / "pr" / f"{self.name}.md").read_text().strip(),
-                "",
-                "Changes to existing files, one part each:",
-                "",
-                *(part.replace("Subject: ", "") + "\n" for part in parts),
-                "New files:",
-                *(f"  {rel}" for rel in self.files),
-                "",
-                "",
-            ]
+        head = (PATCHES / "pr" / f"{self.name}.md").read_text().strip()
+        changes = "".join(part.replace("Subject: ", "") + "\n\n" for part in parts)
+        files = "".join(f"  {rel}\n" for rel in self.files)
+        return (
+            f"{head}\n\nChanges to existing files, one part each:\n\n{changes}New files:\n{files}\n"
         )
 
 
@@ -59,17 +52,13 @@ def _files(*folders: str) -> List[str]:
 def pull_requests() -> List[PullRequest]:
     """Both pull requests, BAPO first."""
     bapo_patches = sorted(p.name for p in PATCHES.glob("000*.patch"))
+    bapo_files = _files("trinity", "examples/bapo_gsm8k") + [
+        "tests/algorithm/bapo_policy_loss_test.py"
+    ]
+    fix = ["loss-agg-mode-0001-config-copies-loss-agg-mode.patch"]
     return [
-        PullRequest(
-            "bapo",
-            bapo_patches,
-            _files("trinity", "examples/bapo_gsm8k") + ["tests/algorithm/bapo_policy_loss_test.py"],
-        ),
-        PullRequest(
-            "loss-agg-mode",
-            ["loss-agg-mode-0001-config-copies-loss-agg-mode.patch"],
-            ["tests/common/loss_agg_mode_config_test.py"],
-        ),
+        PullRequest("bapo", bapo_patches, bapo_files),
+        PullRequest("loss-agg-mode", fix, ["tests/common/loss_agg_mode_config_test.py"]),
     ]
 
 

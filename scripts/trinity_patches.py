@@ -1,10 +1,9 @@
 #!/usr/bin/env python3
 """Apply, revert and show (status) this repo's changes to an installed trinity-rft.
 
-patches/series holds diffs against released files, applied by ``git apply`` to copies that move
-into place together. A file is released if its sha256 is the one in pip's RECORD, patched if
-reverse-applying the series to a copy gives those bytes; anything else is refused, by name. Our
-``trinity/*.py`` are copied into the package at the same paths (their hashes in
+patches/series is applied by ``git apply`` to copies that move into place together. A file is
+released if its sha256 is RECORD's, patched if reverse-applying the series gives those bytes;
+anything else is refused, by name. Our ``trinity/*.py`` are copied in (hashes in
 trinity/.bapo-installed.json), never over a copy edited in place or a file not ours.
 """
 

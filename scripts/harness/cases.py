@@ -14,11 +14,10 @@ PAPER_PATH_STEPS = 51  # (37 - 1) upper + (16 - 1) lower steps when the target i
 def bench_batch(
     shape: Tuple[int, ...], seed: int, negative_share: float = 0.85, device: Any = "cpu"
 ) -> Dict[str, torch.Tensor]:
-    """A float32 micro-batch on which BAPO's paper target is never met.
+    """A float32 micro-batch on which the paper's target is never met (the whole 51-step walk).
 
-    85% negative advantages keep rho near 0.15 on the whole grid, so Algorithm 1 walks all 51
-    steps, the worst case for a per-candidate loop. Log-ratio std 0.3 puts tokens on both sides
-    of every bound; the bool mask drops ~10%; advantages have magnitude 0.1..1.1.
+    85% negative advantages keep rho near 0.15; log-ratio std 0.3 puts tokens on both sides of
+    every bound; the bool mask drops ~10%; advantages have magnitude 0.1..1.1.
     """
     g = torch.Generator().manual_seed(seed)
     old = -3.0 * torch.rand(shape, generator=g)

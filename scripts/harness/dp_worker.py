@@ -1,11 +1,9 @@
 """The one torchrun data-parallel worker: BAPO's loss called on every rank with a real group.
 
-``python -m torch.distributed.run --nproc_per_node=N -m scripts.harness.dp_worker MODE ...``:
-``checks`` runs the named checks of a tests/ module (``--option k=v`` reach them as
-``ctx.options``), rewriting ``DIR/rank<R>.json`` after each; ``bench`` times the bench's
-data-parallel figure; ``by-hand`` prints every rank's pair per call (``make dp-check``) and exits
-1 if synchronised ranks disagree. Collectives are counted by a TorchDispatchMode, which sees
-every ``c10d`` op. A failing check ends the run at once: its peers may be waiting for it.
+Modes: ``checks`` runs named checks of a tests/ module (``--option k=v`` become ``ctx.options``),
+rewriting ``DIR/rank<R>.json`` after each; ``bench`` times the bench's data-parallel figure;
+``by-hand`` prints every rank's pair per call (``make dp-check``), exit 1 if synced ranks
+disagree. A TorchDispatchMode counts every ``c10d`` op. A failing check ends the run at once.
 """
 
 import argparse
@@ -91,9 +89,8 @@ def gather_rows(row: torch.Tensor):
 def run_bench(args) -> int:
     """Time the per-candidate search, ours and the loss on every rank; rank 0 writes ``--out``.
 
-    Each repeat starts at a barrier and makes ``CALLS_PER_REPEAT`` calls back to back, as a
-    trainer calls the loss micro-batch after micro-batch. A step waits for its slowest rank, so
-    a repeat counts the slowest rank's time per call; the figure is the median over repeats.
+    A repeat makes calls back to back after a barrier, as a trainer calls the loss, and counts
+    the slowest rank (a step waits for it); the figure is the median over repeats.
     """
     from scripts.bench import literal_search
 
@@ -134,19 +131,11 @@ def run_bench(args) -> int:
     slowest = torch.tensor(gather_rows(samples.reshape(-1))).amax(0).reshape(samples.shape)
     if rank == 0:
         medians = {name: slowest[k].median().item() for k, name in enumerate(contenders)}
-        agree = all(row == pairs[0] for row in pairs)
         result = {
-            "world_size": dist.get_world_size(),
-            "tokens_per_rank": ratio.numel(),
-            "repeats": args.repeats,
-            "calls_per_repeat": CALLS_PER_REPEAT,
             "median_s": medians,
             "speedup": medians["literal"] / medians["ours"],
             "collectives": ops,
-            "literal_pair": pairs[0][:3],
-            "ours_pair": pairs[0][3:],
-            "ranks_agree": agree,
-            "same_pair": agree and pairs[0][:3] == pairs[0][3:],
+            "same_pair": all(row == pairs[0] for row in pairs) and pairs[0][:3] == pairs[0][3:],
         }
         write_record(Path(args.out), result)
     return 0

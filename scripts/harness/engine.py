@@ -26,10 +26,7 @@ def build_engine(
     micro_batch_size: int = 4,
     seed: int = 0,
 ):
-    """An initialised engine: AdamW without weight decay, gradient clipping at 1.0, fp32.
-
-    ``sp_size > 1`` is Ulysses sequence parallelism (with ``use_remove_padding``, as verl requires).
-    """
+    """An initialised engine: AdamW, no weight decay, clipping at 1.0, fp32; ``sp_size``: SP."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -79,10 +76,7 @@ def trinity_layout(
     old_log_probs: torch.Tensor,
     advantages: torch.Tensor,
 ) -> TensorDict:
-    """A padded batch converted by Trinity's own ``left_right_2_no_padding``, as its trainer does.
-
-    ``input_ids`` and ``position_ids`` become jagged over the real tokens.
-    """
+    """A padded batch converted by Trinity's ``left_right_2_no_padding``, as its trainer does."""
     from trinity.trainer.verl.monkey_patch import left_right_2_no_padding
 
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
@@ -104,10 +98,7 @@ def trinity_layout(
 
 
 def use_torch_unpad_input() -> None:
-    """Give Trinity's ``left_right_2_no_padding`` transformers' torch ``unpad_input``.
-
-    Trinity imports flash-attn's, which a CPU machine lacks; verl's NPU path uses this one.
-    """
+    """Give Trinity's padding helper transformers' torch ``unpad_input`` for flash-attn's."""
     from transformers.modeling_flash_attention_utils import _unpad_input
 
     import trinity.trainer.verl.monkey_patch as trinity_patch
@@ -116,12 +107,10 @@ def use_torch_unpad_input() -> None:
 
 
 def cpu_stand_ins(fsdp1: bool = False, worker: bool = False) -> None:
-    """What a CPU-only machine lacks, and only that.
+    """What a CPU-only machine lacks, and only that (docs/testing.md lists each stand-in).
 
-    Always ``torch.cpu.empty_cache`` (verl's memory helpers call it). ``fsdp1``: skip FSDP1's
-    refusal of CPU module states under ``sync_module_states`` (gloo broadcasts them fine).
-    ``worker`` (Trinity's actor worker): register the engine for device ``cpu``, zero memory
-    counters and CUDA capability (0, 0), so that ``_build_module`` builds the model on CPU.
+    ``fsdp1``: FSDP1's check of CPU module states is skipped (gloo broadcasts them fine);
+    ``worker``: Trinity's actor worker builds the engine, and the model, on CPU.
     """
     if not hasattr(torch.cpu, "empty_cache"):
         torch.cpu.empty_cache = lambda: None  # type: ignore[attr-defined]

@@ -1,7 +1,6 @@
-"""The one torchrun launcher: ``python -m <module>`` on N ranks, under a timeout.
+"""The one torchrun launcher (``python -m <module>`` on N ranks, under a timeout), and rank files.
 
 On timeout the launch's whole process group is killed, so no worker outlives its caller.
-Workers write ``<out>/rank<r>.json``; ``rank_records`` reads them back.
 """
 
 import json
@@ -26,10 +25,9 @@ class Launch(NamedTuple):
 
 
 def torchrun(nproc: int, module: str, argv, timeout_s: float, stdout=None, path=None) -> Launch:
-    """Run ``module`` (a dotted name) with ``argv`` on ``nproc`` gloo ranks from the repo root.
+    """Run ``module`` with ``argv`` on ``nproc`` ranks from the repo root.
 
-    ``stdout``: a file to stream the workers' stdout to (then ``out`` is empty); ``path``: a
-    folder the workers import from besides the repo root (``PYTHONPATH``).
+    ``stdout``: a file the workers' stdout streams to; ``path``: a ``PYTHONPATH`` folder.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={nproc}", "-m", module, *map(str, argv)]

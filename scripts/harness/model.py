@@ -1,7 +1,4 @@
-"""The tiny causal LM (a 2-layer Llama built in code, nothing downloaded) and its sampler.
-
-The engine trains a copy loaded from a folder; sampling runs here on a plain copy of its weights.
-"""
+"""The tiny causal LM (a 2-layer Llama built in code, nothing downloaded) and its sampler."""
 
 from pathlib import Path
 from typing import Optional, Tuple
@@ -59,9 +56,9 @@ def sample_responses(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample up to ``response_len`` tokens per row at temperature 1.
 
-    Returns right-padded responses, their mask, each sampled token's log-prob (what an inference
-    engine reports) and the sampling entropy, both 0 where masked. A response ends with its
-    first EOS, or with ``goal`` (rows x vocabulary) once it holds all its goal tokens.
+    Returns right-padded responses, their mask, each token's log-prob (as an inference engine
+    reports it) and the sampling entropy. A response ends at its first EOS, or once it holds all
+    its ``goal`` tokens.
     """
     batch = prompts.shape[0]
     ids, mask = prompts, prompt_mask

@@ -1,8 +1,7 @@
 """The one loss recorder, put where ``TrinityPolicyLoss`` keeps its policy loss.
 
-Each call goes to the real loss unchanged; the recorder notes the group that arrived, the
-metrics and, if asked, the inputs, for a driver to rerun the oracle on. Every other attribute
-(``select_keys`` in particular) is the real loss's.
+Each call goes to the real loss unchanged; the recorder notes the group, the metrics and, if
+asked, the inputs (for a driver's oracle). Every other attribute is the real loss's.
 """
 
 from typing import Dict, List

@@ -115,10 +115,7 @@ def smooth(values: List[float], width: int) -> np.ndarray:
 
 
 def plot(runs: Dict, labels: Dict[str, str], path: Path, title: str, docs=None) -> None:
-    """Rows: staleness levels; columns: PANELS; a mean line and a ±1 std band per variant.
-
-    With ``docs``, a copy goes to ``docs/<docs>`` for the README and docs to show.
-    """
+    """Rows: staleness levels; columns: PANELS; a mean and ±1 std per variant; copied to docs/."""
     import matplotlib
 
     matplotlib.use("Agg")

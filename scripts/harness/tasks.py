@@ -1,15 +1,8 @@
 """Two verifiable tasks on which wrong answers are long, and GRPO's group advantages.
 
-A prompt is 2 to 4 distinct content tokens and SEP; a response has at most ``RESPONSE_LEN``.
-
-- ``stop``: the body (the response before its first EOS) scores
-  ``|distinct prompt tokens in it| / max(len(body), k)``, k the prompt's size; a response
-  truncated at the limit scores 0, as truncated reasoning does. Failures ramble on to the
-  limit, so negative advantages ride on about twice as many tokens as positive ones: the
-  imbalance BAPO's paper names (arXiv 2510.18927, Sec. 3).
-- ``cover``: the environment ends a response once it holds every prompt token, as a verifier
-  ends an episode, and scores it ``k / len(response)``; ending at EOS or the limit first scores
-  0. Every success is short by construction, a failure as long as the policy goes on.
+A prompt is 2 to 4 distinct content tokens and SEP. Failures run to the length limit, so
+negative advantages ride on more tokens than positive ones: the imbalance BAPO's paper names
+(arXiv 2510.18927, Sec. 3). docs/results.md states both tasks' rules.
 """
 
 from typing import List, Optional, Sequence, Tuple

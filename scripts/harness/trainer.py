@@ -1,12 +1,10 @@
 """The one trainer: GRPO on stale rollouts through verl's ``FSDPEngineWithLMHead``.
 
-Each step, every rank's rollout policy (the engine's weights ``lag`` steps ago) answers
-``prompts`` prompts ``group_size`` times, and its log-probs of the drawn tokens are the
-``old_log_probs``, as in Trinity's asynchronous mode. The batch, in the layout Trinity's trainer
-hands the actor, trains ``epochs`` passes of ``mini_batches`` ``engine.train_batch`` calls, each
-calling ``TrinityPolicyLoss`` ``micro_batches`` times with the engine's data-parallel group. The
-step's figures are the reward and entropy of fresh answers to fixed evaluation prompts; rank 0
-writes one JSON line per step. Run under torchrun by ``make demo`` and ``make experiment``.
+Each step, every rank's rollout policy (the engine's weights ``lag`` steps ago) answers its
+prompts; its log-probs of the drawn tokens are the ``old_log_probs``, as in Trinity's async
+mode. The batch, in Trinity's layout, trains ``epochs`` passes of ``mini_batches`` updates, each
+``micro_batches`` calls of ``TrinityPolicyLoss`` with the engine's data-parallel group. Rank 0
+writes one JSON line per step: the reward and entropy of fresh answers, the pairs, rho.
 """
 
 import argparse
@@ -93,10 +91,9 @@ def surrogate_sums(inputs: Dict, low: float, high: float) -> List[float]:
 
 
 def call_figures(calls: List[Dict], run: Variant) -> Dict:
-    """The pairs the loss calls used, rho there, whether one moved the bounds, the clip fraction.
+    """The calls' pairs, rho, moves, clip fraction; Eq. 8 on every rank's tokens as a cross-check.
 
-    ``rho_surrogate`` is Eq. 8 over every rank's tokens: a cross-check of BAPO's rho, and the
-    only rho a PPO variant has.
+    ``rho_surrogate`` is also the only rho a PPO variant has.
     """
     pairs = [list(run.start) for _ in calls]
     if run.loss == "bapo":

@@ -1,14 +1,10 @@
-"""The clipping schemes compared, each a registered Trinity policy loss with its arguments.
-
-``start`` is the pair a variant uses when nothing moves it: a call that used another pair
-"moved the bounds".
-"""
+"""The clipping schemes compared, each a registered Trinity policy loss with its arguments."""
 
 from typing import Dict, List, NamedTuple, Tuple
 
 
 class Variant(NamedTuple):
-    """A named loss configuration."""
+    """A named loss configuration; ``start`` is its pair when nothing moves the bounds."""
 
     name: str
     label: str
