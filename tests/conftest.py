@@ -36,17 +36,12 @@ class Launches:
             out = self.root / key
             out.mkdir()
             argv = ["checks", "--out", out, "--module", module, "--checks", ",".join(checks)]
-            argv += [
-                "--backend",
-                backend,
-                "--group-timeout",
-                timeout / 3,
-            ]  # peers of a hung rank fail
+            # a hung rank's peers fail within the launch's timeout
+            argv += ["--backend", backend, "--group-timeout", timeout / 3]
             for name, value in {"out": out, **options}.items():
                 argv += ["--option", f"{name}={value}"]
-            launch = torchrun(
-                nproc, "scripts.harness.dp_worker", argv, timeout, path=REPO / "tests"
-            )
+            worker = "scripts.harness.dp_worker"
+            launch = torchrun(nproc, worker, argv, timeout, path=REPO / "tests")
             self.done[key] = (launch, rank_records(out, nproc))
         return self.done[key]
 

@@ -60,14 +60,8 @@ def rank_batch(dp_rank: int, step: int) -> TensorDict:
     sign = torch.where(torch.rand(BATCH, generator=gen) < share, 1.0, -1.0)
     advantages = (sign * (torch.rand(BATCH, generator=gen) + 0.2))[:, None] * response_mask
     old = -(torch.rand(BATCH, WIDTH, generator=gen) * 2.5 + 1.5) * response_mask
-    return trinity_layout(
-        prompts * prompt_mask,
-        prompt_mask,
-        responses * response_mask,
-        response_mask,
-        old,
-        advantages,
-    )
+    prompts, responses = prompts * prompt_mask, responses * response_mask
+    return trinity_layout(prompts, prompt_mask, responses, response_mask, old, advantages)
 
 
 def loss_class(path):
