@@ -64,5 +64,5 @@ class Launches:
 
 @pytest.fixture(scope="session")
 def launches(tmp_path_factory) -> Launches:
-    """The session's launches."""
+    """The launches of one test run, shared by its tests."""
     return Launches(tmp_path_factory.mktemp("launches"))

@@ -1,6 +1,6 @@
 """Tests for scripts/trinity_patches.py, each on a scratch copy of the trinity package.
 
-The released files are rebuilt without the tool under test: a session fixture copies the
+The released files are rebuilt without the tool under test: a fixture of the whole run copies the
 installed (patched) package and its dist-info, drops what pip's RECORD does not list, reverses
 patches/series with GNU `patch -R` if needed, and checks every file against RECORD's sha256.
 """
