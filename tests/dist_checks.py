@@ -315,7 +315,7 @@ def check_gradient(ctx):
     The driver compares it with the gradient of the token-mean over the union of the ranks.
     """
     data = make_case("mixed", ctx.rank, ctx.world, ctx.seed)
-    case = ctx.put({key: data[key].double() for key in ("logprob", "old_logprob", "advantages")})
+    case = ctx.put({k: v.double() if v.is_floating_point() else v for k, v in data.items()})
     runs: Dict[str, Dict] = {}
     for name in GRADIENT_CONFIGS:
         for sync in (True, False):
@@ -324,7 +324,7 @@ def check_gradient(ctx):
                 BAPOPolicyLossFn(**loss_kwargs(name, sync_across_dp=sync)),
                 logprob=leaf,
                 old_logprob=case["old_logprob"],
-                action_mask=data["mask"].to(leaf.device),
+                action_mask=case["mask"],
                 advantages=case["advantages"],
                 dp_group=dist.group.WORLD,
             )

@@ -123,9 +123,9 @@ def cpu_stand_ins(fsdp1: bool = False, worker: bool = False) -> None:
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
         EngineRegistry.register("language_model", ["fsdp", "fsdp2"], "cpu")(FSDPEngineWithLMHead)
-        for name in ("max_memory_allocated", "max_memory_reserved", "memory_allocated"):
+        counters = ("max_memory_allocated", "max_memory_reserved", "memory_allocated")
+        for name in (*counters, "memory_reserved"):
             setattr(torch.cpu, name, lambda *args, **kwargs: 0)
-        torch.cpu.memory_reserved = torch.cpu.memory_allocated  # type: ignore[attr-defined]
         torch.cuda.get_device_capability = lambda *args, **kwargs: (0, 0)
         use_torch_unpad_input()
 

@@ -12,6 +12,8 @@ from typing import Any, Dict, List, Sequence
 
 import numpy as np
 
+from scripts.harness.launch import REPO
+
 FINAL_SHARE = 0.1
 COLLAPSE_FRACTION = 0.5
 PANELS = (
@@ -145,4 +147,4 @@ def plot(runs: Dict, labels: Dict[str, str], path: Path, title: str, docs=None) 
     fig.savefig(path, dpi=80)
     plt.close(fig)
     if docs:
-        shutil.copyfile(path, Path(__file__).resolve().parents[2] / "docs" / docs)
+        shutil.copyfile(path, REPO / "docs" / docs)
