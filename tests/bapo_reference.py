@@ -15,10 +15,12 @@ def _exact(x: float) -> Fraction:
     return Fraction(repr(float(x)))
 
 
-def token_lists(logprob, old_logprob, mask, advantages) -> List[Tuple[float, float, bool]]:
-    """(ratio, advantage, inside) of every unmasked token, ratio with Trinity's +-20 clamp.
+def token_lists(logprob, old_logprob, mask, advantages, scale=1.0) -> List[Tuple]:
+    """(ratio, advantage, inside, weight) of every unmasked token, ratio with the +-20 clamp.
 
     ``inside`` says the log-ratio lies within the clamp, where the loss still depends on logp.
+    ``weight`` is the token's mask value times ``scale``, its factor in the aggregated loss
+    under ``gradient`` (1 / its rank's token count for token-mean across ranks).
     """
     out = []
     flat = zip(
@@ -30,7 +32,8 @@ def token_lists(logprob, old_logprob, mask, advantages) -> List[Tuple[float, flo
     for lp, old, m, a in flat:
         if m:
             log_ratio = lp - old
-            out.append((math.exp(min(max(log_ratio, -20.0), 20.0)), a, abs(log_ratio) <= 20.0))
+            ratio = math.exp(min(max(log_ratio, -20.0), 20.0))
+            out.append((ratio, a, abs(log_ratio) <= 20.0, m * scale))
     return out
 
 
@@ -43,24 +46,24 @@ def rho(
 ) -> float:
     """Positive share P / (P + N) at one pair, straight from the definitions."""
     pos = neg = 0.0
-    for r, a, *inside in tokens:
+    for r, a, inside, weight in tokens:
         if contribution == "surrogate":
             if a > 0:
                 pos += a * min(r, c_high)
             elif a < 0:
                 neg += -a * max(r, c_low)
-        elif inside == [False]:  # gradient, past the log-ratio clamp: the loss is flat there
+        elif not inside:  # gradient, past the log-ratio clamp: the loss is flat there
             continue
         else:  # gradient: weight |A| r while the loss still depends on logp
             # A ratio on a bound keeps its gradient (torch.clamp is inclusive); on the dual
             # clip, torch.min gives each side of the tie half of it.
             if a > 0 and r <= c_high:
-                pos += a * r
+                pos += weight * a * r
             elif a < 0 and r >= c_low:
                 if clip_ratio_c is None or r < clip_ratio_c:
-                    neg += -a * r
+                    neg += -weight * a * r
                 elif r == clip_ratio_c:
-                    neg += -a * r / 2
+                    neg += -weight * a * r / 2
     return 1.0 if pos + neg == 0 else pos / (pos + neg)
 
 

@@ -117,7 +117,7 @@ def case_to_lists(data: Dict[str, torch.Tensor]) -> Dict[str, List]:
 def check_group_none(ctx):
     """Sync on, no group, world > 1: one RuntimeWarning over two calls, and a local choice.
 
-    Runs first in its process, since the warning is emitted once per process.
+    The loss warns once, whatever the warning filters say.
     """
     data = make_case("mixed", ctx.rank, ctx.world, ctx.seed)
     loss_fn = BAPOPolicyLossFn(**loss_kwargs("paper_upper_surrogate"))

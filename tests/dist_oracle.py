@@ -15,9 +15,14 @@ import dist_checks as common
 
 
 def tokens_of(data):
-    """Return the (ratio, advantage, inside) tokens of one rank's JSON case."""
+    """The tokens of one rank's JSON case, each weighing 1 / the rank's count (token-mean).
+
+    Under ``gradient`` that is each token's factor in its rank's loss: the union's rho is then
+    the share of the update that data-parallel averaging applies.
+    """
     fields = ("logprob", "old_logprob", "mask", "advantages")
-    return ref.token_lists(*(torch.tensor(data[key]) for key in fields))
+    count = sum(map(sum, data["mask"]))
+    return ref.token_lists(*(torch.tensor(data[key]) for key in fields), 1 / max(count, 1))
 
 
 def union_tokens(datas):

@@ -22,17 +22,17 @@ BASE_CHECKS += ["mismatch", "failure"]
 CHECKS_BY_WORLD = {2: BASE_CHECKS, 3: BASE_CHECKS + ["subgroup", "nonmember"], 4: BASE_CHECKS}
 WORLDS = sorted(CHECKS_BY_WORLD)
 ALL_REDUCE = "c10d.allreduce_.default"
-# The first synchronised call of a loss on a group checks the ranks' settings, then reduces.
-FIRST_CALL = ["c10d.allgather_.default", ALL_REDUCE]
-HEADER = 2  # values before the candidates' sums: failed ranks, non-finite tokens
+# Before the candidates' sums: a failure count and three 16-bit settings-fingerprint lanes with
+# their squares; after them, the non-finite count.
+FRAME = 1 + 3 + 3 + 1
 
 
 def values_per_call(name):
-    """What one all-reduce carries for config ``name``: the header and every candidate.
+    """What one all-reduce carries for config ``name``: the frame and every candidate.
 
     Candidates are start + k step <= maximum, plus the capped maximum in the authors' order.
     """
-    kw, count = common.loss_kwargs(name), HEADER
+    kw, count = common.loss_kwargs(name), FRAME
     for side in ("lower", "upper"):
         a, b, d = (
             Fraction(repr(float(kw[f"ratio_{side}_{part}"]))) for part in ("start", "max", "step")
@@ -40,6 +40,27 @@ def values_per_call(name):
         steps = math.floor((b - a) / d) + 1 if a != b else 1
         count += steps + int(kw["search_order"] == "lower_first" and a + (steps - 1) * d < b)
     return count
+
+
+def collective_problems(runs, where, previous=None):
+    """Each synced call is one all-reduce, or two where the group's last call had another length.
+
+    ``runs`` are (config, record) in call order on one group; ``previous`` is what the call
+    before them carried (None: unknown). The first all-reduce of a pair has the group's last
+    length (the header alone before any): the ranks move to a new length only together.
+    """
+    problems = []
+    for name, run in runs:
+        want = values_per_call(name)
+        if run["collectives"] == [ALL_REDUCE] and previous in (None, want):
+            ok = run["values"] == [want]
+        else:
+            ok = run["collectives"] == [ALL_REDUCE] * 2 and run["values"][1] == want
+            ok = ok and previous in (None, run["values"][0])
+        if not ok:
+            problems.append(f"{where}/{name}: {run['collectives']} {run['values']}")
+        previous = want
+    return problems
 
 
 def nccl_ranks(world):
@@ -109,30 +130,22 @@ def test_trinity_policy_loss_forwards_the_group(launches, world, backend):
 @with_backend
 @pytest.mark.parametrize("world", WORLDS)
 def test_one_all_reduce_per_synced_call(launches, world, backend):
-    """A loss's first synced call on a group checks settings; each later one is one all_reduce.
+    """Each synced call is one all_reduce; where the group's length changes, one more.
 
-    The later all-reduces carry exactly the header and the candidates' sums (direct calls and
-    calls through Trinity, which reuse one loss per config over the cases).
+    The all-reduce carries the header and the candidates' sums; the length changes at a
+    group's first call and at another grid. Direct calls and calls through Trinity reuse one
+    loss per config over the cases.
     """
     problems = []
     for check in ("oracle", "trinity"):
         for rank, rank_result in enumerate(results(launches, world, backend, check)):
-            for index, case in enumerate(common.CASES):
-                for name, run in rank_result[case]["runs"].items():
-                    want = FIRST_CALL if index == 0 else [ALL_REDUCE]
-                    if run["collectives"] != want:
-                        problems.append(f"{check}/{case}/{name} rank {rank}: {run['collectives']}")
-                    sent = run["values"][-1]
-                    if sent != values_per_call(name):
-                        problems.append(f"{check}/{case}/{name} rank {rank}: {sent} values")
+            runs = [(n, r) for case in common.CASES for n, r in rank_result[case]["runs"].items()]
+            problems += collective_problems(runs, f"{check} rank {rank}")
     for rank, rank_result in enumerate(results(launches, world, backend, "nonfinite")):
-        for name, run in rank_result["runs"].items():
-            if run["collectives"] != FIRST_CALL:
-                problems.append(f"nonfinite/{name} rank {rank}: {run['collectives']}")
+        problems += collective_problems(rank_result["runs"].items(), f"nonfinite rank {rank}")
     for rank, rank_result in enumerate(results(launches, world, backend, "gradient")):
-        for name, runs in rank_result["runs"].items():
-            if runs["sync"]["collectives"] != FIRST_CALL:
-                problems.append(f"gradient/{name} rank {rank}: {runs['sync']['collectives']}")
+        runs = [(name, runs["sync"]) for name, runs in rank_result["runs"].items()]
+        problems += collective_problems(runs, f"gradient rank {rank}")
     assert not problems, "\n".join(problems)
 
 
@@ -179,9 +192,9 @@ def test_subgroup_syncs_its_members_only(launches, backend):
     for name in common.CONFIGS:
         metrics = [result[rank]["pair"][name]["metrics"] for rank in (0, 1)]
         problems += compare_to_union(metrics, datas[:2], name)
-        for rank in (0, 1):
-            if result[rank]["pair"][name]["collectives"] != FIRST_CALL:
-                problems.append(f"{name} rank {rank}: {result[rank]['pair'][name]['collectives']}")
+    for rank in (0, 1):  # a new group: its first call starts from the header alone
+        runs = result[rank]["pair"].items()
+        problems += collective_problems(runs, f"pair rank {rank}", previous=FRAME - 1)
     assert not problems, "\n".join(problems)
     # The data must tell the pair's union from WORLD's union and from each rank alone.
     pair_union = {n: oracle(union_tokens(datas[:2]), n)[:2] for n in common.CONFIGS}

@@ -214,8 +214,9 @@ def test_each_candidate_sums_only_its_own_tokens(contribution, clip_ratio_c, hug
     sums = search.local_sums(ratio, adv, mask, torch.ones_like(mask))
     # The loss still needs its ratio after the search: no step of it may write into its inputs.
     assert torch.equal(ratio, ratio_before) and torch.equal(adv, adv_before)
-    positive, negative, nonfinite = search.parts(sums.tolist())
-    assert nonfinite == 0
+    # laid out as [P per upper candidate | N per lower candidate | non-finite count]
+    positive, negative, nonfinite = sums.tensor_split([len(upper), len(upper) + len(lower)])
+    assert nonfinite.tolist() == [0.0]
     for i, c_low in enumerate(lower):
         for j, c_high in enumerate(upper):
             p, n = pair_sums(log_ratio, adv, mask, c_low, c_high, contribution, clip_ratio_c)

@@ -65,17 +65,27 @@ def test_no_contribution_gives_rho_one_zero_loss_and_zero_gradient(
     assert all(math.isfinite(v) for v in m.values())
 
 
-def test_point_lower_range_freezes_upper_bound_under_algorithm1():
-    """Algorithm 1's loop needs room in the LOWER range, so c_high never moves (quirk)."""
+@pytest.mark.parametrize(
+    "lower", [(0.8, 0.8, 0.05), (0.8, 0.84, 0.05)], ids=["point", "narrower_than_a_step"]
+)
+def test_lower_range_without_room_is_refused_under_algorithm1(lower):
+    """Algorithm 1's loop needs room in the LOWER range: c_high alone would never move.
+
+    The constructor says so and what to do; the authors' order adapts the same ranges, and
+    both ranges collapsed (PPO's fixed clipping) stay accepted.
+    """
+    frozen = dict(zip(RANGE_ARGS[:3], lower))
+    with pytest.raises(ValueError, match="never adapts") as raised:
+        BAPOPolicyLossFn(search_order="upper_first", **frozen)
+    assert "give the lower range room" in str(raised.value) and "lower_first" in str(raised.value)
     logprob, old, mask, adv = batch((4, 24), spread=0.01)
     adv = -adv.abs() - 0.1  # target unreachable
-    frozen = dict(ratio_lower_start=0.8, ratio_lower_max=0.8)
-    _, m = call(BAPOPolicyLossFn(search_order="upper_first", **frozen), logprob, old, mask, adv)
-    assert chosen(m) == (0.8, 1.2) and m["bapo_search_steps"] == 0
-    assert m["bapo_target_met"] == 0.0
-    # Contrast: the authors' order has its own loop for c_high and runs it to the end.
     _, m = call(BAPOPolicyLossFn(search_order="lower_first", **frozen), logprob, old, mask, adv)
-    assert chosen(m) == (0.8, 3.0) and m["bapo_search_steps"] == 36
+    capped = lower[0] != lower[1]  # the authors' order caps its last step at the maximum
+    assert chosen(m) == (lower[1], 3.0) and m["bapo_search_steps"] == 36 + capped
+    fixed = BAPOPolicyLossFn(search_order="upper_first", **point(0.8, 1.2))
+    _, m = call(fixed, logprob, old, mask, adv)
+    assert chosen(m) == (0.8, 1.2) and m["bapo_search_steps"] == 0
 
 
 @pytest.mark.parametrize("mask_kind", ["ones", "half", "tenth", "mixed"])
@@ -118,29 +128,25 @@ def test_point_ranges_equal_ppo(mask_kind, loss_agg_mode, eps_low, eps_high, ord
 
 ULP_ABOVE_06 = math.nextafter(0.6, 1.0)
 ULP_ABOVE_12 = math.nextafter(1.2, 2.0)
-SMALLEST = "smallest normal float32"
-LARGEST = "largest float32"
-APART = "apart as floating-point numbers"
-MANY = "10000 candidates"
+LOWER = "a ratio in [1.18e-38, 1]"  # down to the smallest normal float32
+UPPER = "a ratio in [1, 3.4e+38]"  # up to the largest float32
+MANY = "at most 10000 distinct candidates"
 FINE = dict(ratio_upper_start=1.0, ratio_upper_step=0.0001)  # candidates 1.0, 1.0001, 1.0002, ...
 BAD_ARGUMENTS: list[tuple[dict, str, str]] = [
-    (dict(ratio_lower_start=0.9, ratio_lower_max=0.8), "ratio_lower_start", "<= ratio_lower_max"),
-    (dict(ratio_upper_start=2.0, ratio_upper_max=1.5), "ratio_upper_start", "<= ratio_upper_max"),
+    (dict(ratio_lower_start=0.9, ratio_lower_max=0.8), "ratio_lower_max", ">= ratio_lower_start"),
+    (dict(ratio_upper_start=2.0, ratio_upper_max=1.5), "ratio_upper_max", ">= ratio_upper_start"),
     (dict(ratio_lower_step=0.0), "ratio_lower_step", "> 0"),
     (dict(ratio_lower_step=-0.02), "ratio_lower_step", "> 0"),
     (dict(ratio_upper_step=0.0), "ratio_upper_step", "> 0"),
     (dict(ratio_upper_step=-0.05), "ratio_upper_step", "> 0"),
-    (dict(ratio_lower_start=0.0), "ratio_lower_start", "(0, 1]"),
-    (dict(ratio_lower_start=-0.1), "ratio_lower_start", "(0, 1]"),
-    (dict(ratio_lower_max=1.1), "ratio_lower_max", "(0, 1]"),
-    (dict(ratio_lower_start=1e-310), "ratio_lower_start", SMALLEST),  # subnormal
-    (dict(ratio_lower_start=5e-324), "ratio_lower_start", SMALLEST),
-    (dict(ratio_lower_start=1e-40, ratio_lower_max=1e-40), "ratio_lower_start", SMALLEST),
-    (dict(ratio_upper_start=0.95), "ratio_upper_start", ">= 1"),
-    (dict(ratio_upper_start=0.5, ratio_upper_max=0.9), "ratio_upper_start", ">= 1"),
-    (dict(ratio_upper_start=1e300, ratio_upper_max=1e300), "ratio_upper_start", LARGEST),
-    (dict(ratio_upper_max=1e300), "ratio_upper_max", LARGEST),
-    (dict(ratio_upper_max=3.5e38), "ratio_upper_max", LARGEST),  # past the largest float32
+    (dict(ratio_lower_start=0.0), "ratio_lower_start", LOWER),
+    (dict(ratio_lower_start=-0.1), "ratio_lower_start", LOWER),
+    (dict(ratio_lower_max=1.1), "ratio_lower_max", LOWER),
+    (dict(ratio_lower_start=1e-310), "ratio_lower_start", LOWER),  # subnormal
+    (dict(ratio_lower_start=1e-40, ratio_lower_max=1e-40), "ratio_lower_start", LOWER),
+    (dict(ratio_upper_start=0.95), "ratio_upper_start", UPPER),
+    (dict(ratio_upper_start=1e300, ratio_upper_max=1e300), "ratio_upper_start", UPPER),
+    (dict(ratio_upper_max=3.5e38), "ratio_upper_max", UPPER),  # past the largest float32
     (dict(positive_contribution_target=-0.1), "positive_contribution_target", "[0, 1]"),
     (dict(positive_contribution_target=1.5), "positive_contribution_target", "[0, 1]"),
     (dict(search_order="upper"), "search_order", "upper_first"),
@@ -149,28 +155,23 @@ BAD_ARGUMENTS: list[tuple[dict, str, str]] = [
     (dict(clip_ratio_c=0.5), "clip_ratio_c", "> 1"),
     (dict(loss_agg_mode="mean"), "loss_agg_mode", "token-mean"),
     (dict(ratio_upper_step=1e-5), "ratio_upper_step", MANY),
-    (dict(ratio_lower_step=1e-6), "ratio_lower_step", MANY),
     (dict(ratio_upper_step=1e-300), "ratio_upper_step", MANY),
     (dict(FINE, ratio_upper_max=2.0), "ratio_upper_step", MANY),  # 10001 up to 2.0: one too many
     # 10000 grid points plus the capped maximum the authors' order appends: 10001
     (dict(FINE, ratio_upper_max=1.99995, search_order="lower_first"), "ratio_upper_step", MANY),
-    (dict(ratio_lower_max=ULP_ABOVE_06, ratio_lower_step=1e-17), "ratio_lower_step", APART),
-    (dict(ratio_upper_max=ULP_ABOVE_12, ratio_upper_step=1e-18), "ratio_upper_step", APART),
-    (dict(ratio_lower_max=0.6 + 4e-16, ratio_lower_step=3e-17), "ratio_lower_step", APART),
-    (dict(ratio_lower_start=math.nan), "ratio_lower_start", "finite"),
-    (dict(ratio_lower_max=math.nan), "ratio_lower_max", "finite"),
-    (dict(ratio_lower_step=math.nan), "ratio_lower_step", "finite"),
-    (dict(ratio_upper_start=math.nan), "ratio_upper_start", "finite"),
-    (dict(ratio_upper_max=math.inf), "ratio_upper_max", "finite"),
-    (dict(ratio_upper_step=math.nan), "ratio_upper_step", "finite"),
-    (dict(positive_contribution_target=math.nan), "positive_contribution_target", "finite"),
-    (dict(clip_ratio_c=math.nan), "clip_ratio_c", "finite"),
-    (dict(ratio_upper_max=10**400), "ratio_upper_max", "finite"),  # float() overflows
-    (dict(ratio_lower_step="0.02"), "ratio_lower_step", "a real number"),
-    (dict(ratio_lower_start=True), "ratio_lower_start", "a real number"),
-    (dict(clip_ratio_c=torch.tensor([3.0])), "clip_ratio_c", "0-d tensor"),
-    (dict(sync_across_dp=1), "sync_across_dp", "a boolean"),
-    (dict(sync_across_dp="true"), "sync_across_dp", "a boolean"),
+    (dict(ratio_lower_max=ULP_ABOVE_06, ratio_lower_step=1e-17), "ratio_lower_step", MANY),
+    (dict(ratio_upper_max=ULP_ABOVE_12, ratio_upper_step=1e-18), "ratio_upper_step", MANY),
+    (dict(ratio_lower_start=math.nan), "ratio_lower_start", LOWER),
+    (dict(ratio_lower_step=math.nan), "ratio_lower_step", "> 0"),
+    (dict(ratio_upper_max=math.inf), "ratio_upper_max", UPPER),
+    (dict(positive_contribution_target=math.nan), "positive_contribution_target", "[0, 1]"),
+    (dict(clip_ratio_c=math.inf), "clip_ratio_c", "> 1"),
+    (dict(ratio_upper_max=10**400), "ratio_upper_max", UPPER),  # float() overflows
+    (dict(ratio_lower_step="two"), "ratio_lower_step", "> 0"),
+    (dict(ratio_lower_start=True), "ratio_lower_start", LOWER),  # a YAML `yes` is no number
+    (dict(clip_ratio_c=[3.0]), "clip_ratio_c", "> 1"),
+    (dict(sync_across_dp=1), "sync_across_dp", "true or false"),
+    (dict(sync_across_dp="true"), "sync_across_dp", "true or false"),
 ]
 
 
@@ -188,21 +189,45 @@ def test_invalid_arguments_name_the_argument_and_range(kwargs, name, allowed):
     assert f"`{name}`" in message and allowed in message, message
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        dict(ratio_lower_start=1.0, ratio_lower_max=1.0, ratio_upper_start=1.0),  # edges valid
-        dict(ratio_lower_start=0.8, ratio_lower_max=0.8, ratio_lower_step=0.0),  # point: any step
-        dict(ratio_upper_start=2.0, ratio_upper_max=2.0, ratio_upper_step=-1.0),
-        dict(positive_contribution_target=0.0),
-        dict(positive_contribution_target=1),
-        dict(clip_ratio_c=None),
-        dict(FINE, ratio_upper_max=1.9999),  # exactly 10000 candidates: still allowed
+PAPER_LOWER = [round(0.6 + 0.02 * k, 2) for k in range(16)]  # 0.6, 0.62, ..., 0.9
+PAPER_UPPER = [round(1.2 + 0.05 * k, 2) for k in range(37)]  # 1.2, 1.25, ..., 3.0
+# Arguments at the edge of what is allowed, and the grids (lower, upper) each must build.
+BOUNDARY_ARGUMENTS = [
+    (point(1.0, 1.0), [1.0], [1.0]),  # both edges at 1: fixed clipping at r = 1
+    (dict(point(0.8, 1.5), ratio_lower_step=0.0, ratio_upper_step=-1.0), [0.8], [1.5]),
+    (dict(ratio_lower_start=0.8, ratio_lower_max=0.8, search_order="lower_first"), [0.8], None),
+    (dict(ratio_upper_start=2.0, ratio_upper_max=2.0), None, [2.0]),
+    (dict(FINE, ratio_upper_max=1.9999), None, [round(1 + k / 10**4, 4) for k in range(10**4)]),
+    (
         dict(ratio_upper_start=np.int64(1), ratio_upper_max=np.int32(2)),
-    ],
-)
-def test_boundary_arguments_are_accepted(kwargs):
-    BAPOPolicyLossFn(**kwargs)
+        None,
+        [round(1 + 0.05 * k, 2) for k in range(21)],
+    ),
+    (
+        dict(ratio_lower_step="0.05", ratio_upper_step=torch.tensor([0.6], dtype=torch.float64)),
+        [round(0.6 + 0.05 * k, 2) for k in range(7)],
+        [1.2, 1.8, 2.4, 3.0],
+    ),
+]
+
+
+@pytest.mark.parametrize("kwargs, lower, upper", BOUNDARY_ARGUMENTS)
+def test_boundary_arguments_build_their_grids(kwargs, lower, upper):
+    """Each accepted edge builds the grid it names; None stands for the paper's grid.
+
+    Strings and one-element tensors are numbers as ``float()`` reads them.
+    """
+    fn = BAPOPolicyLossFn(**kwargs)
+    assert fn.search.lower == (PAPER_LOWER if lower is None else lower)
+    assert fn.search.upper == (PAPER_UPPER if upper is None else upper)
+
+
+@pytest.mark.parametrize("target", [0.0, 1, "0.5"])
+@pytest.mark.parametrize("clip_ratio_c", [None, 1.0000001, "2"])
+def test_target_and_dual_clip_at_their_edges_are_taken_as_written(target, clip_ratio_c):
+    fn = BAPOPolicyLossFn(positive_contribution_target=target, clip_ratio_c=clip_ratio_c)
+    assert fn.search.target == float(target)
+    assert fn.clip_ratio_c == (None if clip_ratio_c is None else float(clip_ratio_c))
 
 
 @pytest.mark.parametrize(
@@ -261,8 +286,8 @@ FAR_AND_TINY = [
     dict(search_order="lower_first", ratio_upper_step=0.0499999999999),
     dict(ratio_upper_start=1e8, ratio_upper_max=1e8),  # "no upper clip"
     dict(ratio_upper_start=3e38, ratio_upper_max=3e38),
-    dict(ratio_lower_start=1e-9, ratio_lower_max=1e-9),
-    dict(ratio_lower_start=1e-37, ratio_lower_max=1e-37),
+    dict(ratio_lower_start=1e-9, ratio_lower_max=1e-9, search_order="lower_first"),
+    dict(ratio_lower_start=1e-37, ratio_lower_max=1e-37, search_order="lower_first"),
     dict(ratio_lower_start=1e-30, ratio_lower_max=0.9, ratio_lower_step=0.3),
     dict(ratio_upper_start=1.0, ratio_upper_max=1e30, ratio_upper_step=1e27),
     dict(ratio_lower_start=0.5, ratio_lower_max=0.5 + 1e-12, ratio_lower_step=1e-13),

@@ -2,7 +2,7 @@
 
 Random cases must choose the same pair, steps and rho as the literal transcription in
 ``bapo_reference`` (Algorithm 1, or the authors' loops for ``lower_first``); the paper grid
-reaches its exact ends; the histogram behind every candidate's sums equals a plain loop.
+reaches its exact ends.
 """
 
 import math
@@ -16,7 +16,7 @@ import torch
 import bapo_reference as ref
 from bapo_inputs import RANGE_ARGS, batch, call, point
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
-from trinity.algorithm.policy_loss_fn.bapo_search import candidate_grid, histograms
+from trinity.algorithm.policy_loss_fn.bapo_search import candidate_grid
 
 ORACLES = {"upper_first": ref.algorithm1, "lower_first": ref.authors_order}
 LOWER_STEPS = (0.01, 0.02, 0.025, 0.03, 0.04, 0.05, 0.07, 0.1, 0.15, 0.2)
@@ -70,6 +70,11 @@ def _divides(start, maximum, step) -> bool:
     return span % Decimal(repr(step)) == 0
 
 
+def _room(start, maximum, step) -> bool:
+    """Whether one whole step fits in the range (Algorithm 1's loop condition)."""
+    return Decimal(repr(start)) + Decimal(repr(step)) <= Decimal(repr(maximum))
+
+
 def _draw_target(rng, corners):
     """A target in [0, 1] around the corner shares, never a float hair away from one of them.
 
@@ -92,6 +97,10 @@ def _run_case(rng, gen, order, contribution):
     lo = _random_range(rng, round(rng.uniform(0.2, 1.0), 2), 0.8, 1.0, LOWER_STEPS)
     a_hi = 1.0 if rng.random() < 0.25 else round(rng.uniform(1.0, 2.0), 2)
     hi = _random_range(rng, a_hi, 2.0, math.inf, UPPER_STEPS)
+    if order == "upper_first" and not _room(*lo) and _room(*hi):
+        with pytest.raises(ValueError, match="never adapts"):  # Algorithm 1 would stay put
+            BAPOPolicyLossFn(**dict(zip(RANGE_ARGS, lo + hi)), search_order=order)
+        hi = (hi[0], hi[0], hi[2])  # both points: fixed clipping, which Algorithm 1 accepts
     clip_ratio_c = rng.choice([3.0, 3.0, None, 2.0])
     tokens = ref.token_lists(logprob, old, mask, adv)
     # rho is monotone in each bound, so the corners span its range over the box. Targets drawn
@@ -112,7 +121,7 @@ def _run_case(rng, gen, order, contribution):
     _, m = call(fn, logprob, old, mask, adv)
     keys = ("clip_low", "clip_high", "search_steps", "positive_contribution", "target_met")
     got = dict(zip(expected, (m[f"bapo_{key}"] for key in keys)))
-    on_edge = any(r in (lo[0], lo[1], hi[0], hi[1]) for r, a, _ in tokens if a != 0)
+    on_edge = any(r in (lo[0], lo[1], hi[0], hi[1]) for r, a, _, _ in tokens if a != 0)
     info = dict(lower=lo, upper=hi, target=target, clip_ratio_c=clip_ratio_c, on_a_bound=on_edge)
     return got, expected, info
 
@@ -220,21 +229,3 @@ def test_half_precision_ratio_that_underflows_stays_on_its_side():
     assert torch.exp(half[0] - half[1])[0, 1] == 0  # the case really underflows
     _, metrics = call(BAPOPolicyLossFn(**point(0.6, 1.2)), half[0], half[1], mask, half[2])
     assert metrics["bapo_positive_contribution"] == pytest.approx(want, rel=1e-3)
-
-
-@pytest.mark.parametrize("lanes", [1, 7, 256])
-def test_histogram_sums_each_bin_whatever_the_lanes(lanes):
-    """Sum each bin as a plain Python loop over the tokens does, for any lane count.
-
-    The histogram is behind every candidate's sums; lanes > 1 is what CUDA uses.
-    """
-    gen = torch.Generator().manual_seed(13)
-    bins = torch.randint(0, 55, (5000,), generator=gen)
-    weights = torch.rand(5000, 2, generator=gen, dtype=torch.float64)
-    want = torch.zeros(2, 56, dtype=torch.float64)
-    for b, (w0, w1) in zip(bins.tolist(), weights.tolist()):
-        want[0, b] += w0
-        want[1, b] += w1
-    got = torch.stack(histograms(bins, [weights[:, 0], weights[:, 1]], 56, lanes))
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
-    assert got[:, 55].sum() == 0  # an empty bin stays empty

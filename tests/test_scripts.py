@@ -107,8 +107,9 @@ def test_bench_prints_every_figure_with_a_verdict(bench):
 def test_bench_dp_call_is_one_all_reduce_of_header_and_candidates(bench):
     _, result = bench
     assert result["collectives_per_call"] == 1
-    # header (failed ranks, non-finite tokens) + 16 lower (0.6..0.9) + 37 upper (1.2..3.0)
-    assert result["all_reduce_values_per_call"] == 2 + 16 + 37
+    # header (failed ranks, 3 fingerprint lanes and their squares) + 37 upper (1.2..3.0)
+    # + 16 lower (0.6..0.9) + the non-finite count
+    assert result["all_reduce_values_per_call"] == 1 + 3 + 3 + 37 + 16 + 1
     assert result["checks"]["dp_collectives"]["loss_unsynced"] == 0
     assert result["checks"]["dp_collectives"]["literal"] == 52  # one per pair on the path
     assert result["same_pair"] is True and result["bapo_search_steps"] == 51

@@ -41,7 +41,7 @@ def oracle(case, shift, overrides):
     rule = (args["contribution"], args["clip_ratio_c"])
     low, high, steps = search(tokens, *grid, args["positive_contribution_target"], *rule)
     losses, clipped, dual = [], 0, 0
-    for r, a, _ in tokens:
+    for r, a, _, _ in tokens:
         loss = max(-a * r, -a * min(max(r, low), high))
         clipped += loss > -a * r
         if a < 0:

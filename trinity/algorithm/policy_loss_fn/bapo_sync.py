@@ -1,69 +1,68 @@
-"""The torch.distributed side of BAPO: sum the per-candidate contributions over a DP group.
+"""The torch.distributed side of BAPO: sum the search's vector over the data-parallel group.
 
-Kept apart from the pure search so that each can be tested alone. The first synchronised call
-on a group all-gathers each rank's settings (a fingerprint and the two grid lengths), so that
-ranks configured differently fail together instead of adding up unrelated sums. From then on
-a call makes one all-reduce of the search's header and candidate sums, nothing more. A rank
-whose own inputs failed still joins that all-reduce with a header that says so: every rank of
-the group then raises in the same call, and no later call pairs with the wrong one.
+A call makes one all-reduce of ``[header | search sums]``. The header counts the ranks whose
+inputs failed and carries the settings' fingerprint as 16-bit lanes and their squares, so that
+every rank reads from the same sums whether the settings differ (``n * sum(f^2) == sum(f)^2``
+only when all agree). The vectors' length is kept per process and live group (weakly), not per
+loss object, so a pickled or re-created loss sends what its peers expect. When a rank's own
+length differs from it (a group's first call, new grids), the group's length goes first; with
+the same settings everywhere, every rank then resizes and sends again.
 """
 
+import hashlib
 import warnings
-from typing import Dict, List, Optional, Sequence
+import weakref
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
-from trinity.algorithm.policy_loss_fn.bapo_search import FAILED
-
-_warned_missing_group = False
-
-
-def _warn_missing_group_once() -> None:
-    global _warned_missing_group
-    if not _warned_missing_group:
-        _warned_missing_group = True
-        warnings.warn(
-            "BAPO: sync_across_dp is on but the trainer passed no dp_group while "
-            f"torch.distributed runs {dist.get_world_size()} ranks; each rank will choose its "
-            "own clip bounds. Pass the data-parallel group (TrinityPolicyLoss forwards the "
-            "engine's dp_group) or set sync_across_dp: false to silence this.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+FAILED = 0  # header: ranks whose inputs failed, then the fingerprint lanes, then their squares
+LANES = 3  # of 16 bits: the sums of squares stay exact in float64 for up to 2**21 ranks
+HEADER = 1 + 2 * LANES
 
 
-def _gather(values: torch.Tensor, group) -> List[torch.Tensor]:
-    """Every rank's copy of ``values``, in group-rank order."""
-    gathered = [torch.empty_like(values) for _ in range(dist.get_world_size(group=group))]
-    dist.all_gather(gathered, values, group=group)
-    return gathered
+def fingerprint(settings: str) -> List[int]:
+    """The settings' sha256 as three 16-bit lanes."""
+    digest = hashlib.sha256(settings.encode()).digest()
+    return [int.from_bytes(digest[2 * k : 2 * k + 2], "big") for k in range(LANES)]
+
+
+def _device(group) -> torch.device:
+    """Where the group's backend reduces: host memory for gloo, else the current accelerator."""
+    if dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    return torch.accelerator.current_accelerator() or torch.device("cpu")
 
 
 class ContributionSync:
-    """Sums a rank's search vector over its dp_group, checking the group's settings once."""
+    """Sums a rank's search vector over its dp_group, with the settings check in its header."""
 
-    def __init__(self, settings: Sequence[int], enabled: bool):
-        """Keep the settings every rank must share, and whether to synchronise at all."""
-        self.settings = list(settings)
+    _lengths: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()  # per group
+
+    def __init__(self, settings: str, enabled: bool):
+        """Fingerprint the settings every rank must share; keep whether to synchronise."""
+        self.lanes = fingerprint(settings)
         self.enabled = enabled
-        self._checked: Dict[int, object] = {}  # id -> group; the reference keeps ids unique
-
-    def __getstate__(self) -> Dict:
-        """Pickle without the checked groups (process groups do not travel; Ray pickles us)."""
-        return {**self.__dict__, "_checked": {}}
+        self.warned = False  # about a missing group, once per loss
 
     def group_for(self, dp_group) -> Optional[object]:
         """The group to reduce over, or None where the search stays local.
 
-        The group given is the group used: with none given nothing is reduced (never WORLD by
-        default), and a warning says so once when several ranks are running.
+        The group given is the group used: with none nothing is reduced (never WORLD by
+        default), and the loss warns once if several ranks run.
         """
         if not self.enabled:
             return None
         if dp_group is None:
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                _warn_missing_group_once()
+            if not self.warned and dist.is_initialized() and dist.get_world_size() > 1:
+                self.warned = True
+                warnings.warn(
+                    "BAPO: sync_across_dp is on but the trainer passed no dp_group to the loss; "
+                    f"each of the {dist.get_world_size()} ranks chooses its own clip bounds",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             return None
         if dist.get_rank(group=dp_group) < 0:
             raise RuntimeError(
@@ -72,57 +71,62 @@ class ContributionSync:
             )
         return dp_group if dist.get_world_size(group=dp_group) > 1 else None
 
-    def reduce(self, sums: torch.Tensor, group) -> List[float]:
-        """The sums over ``group`` (this rank's own with no group) as a list: one host transfer.
+    def reduce(self, sums, group, error: Optional[Exception] = None) -> List[float]:
+        """The sums (a tensor, None on failure) over ``group`` (this rank's own without one).
 
-        Raises a ``RuntimeError`` naming the ranks whose inputs failed in this call, if any.
+        ``error``, what failed on this rank before the collective, is re-raised here after
+        the all-reduce; the other ranks then raise a ``RuntimeError`` that names this rank.
         """
-        if group is not None:
-            self._all_reduce(sums, group)
-        values = sums.tolist()
-        if group is not None and values[FAILED] > 0:
-            failed = self._failed_ranks(group, False, sums.device)
-            raise RuntimeError(
-                f"BAPO: the policy loss failed on global rank(s) {failed} of the dp_group in "
-                "this call (their own errors say why); every rank of the group stops with them"
-            )
+        if group is None:
+            if error is not None:
+                raise error
+            return sums.tolist()
+        device, length = _device(group), self._lengths.get(group, 0)
+        moved = body = torch.zeros(length, dtype=torch.float64, device=device)
+        try:
+            if error is not None:
+                raise error
+            moved = sums.to(device, torch.float64)
+            body = moved if len(moved) == length else body
+        except Exception as caught:  # the peers are on their way to the all-reduce
+            error = caught
+        values = self._exchange(body, error, group, device)
+        if len(moved) != length:  # no rank failed, all settings agree: all resize alike
+            self._lengths[group] = len(moved)
+            values = self._exchange(moved, None, group, device)
+        return values[HEADER:]
+
+    def _exchange(self, body: torch.Tensor, error, group, device) -> List[float]:
+        """One all-reduce of ``[header | body]``; every rank raises if any failed or differs."""
+        header = [float(error is not None), *self.lanes, *(lane * lane for lane in self.lanes)]
+        vector = torch.cat([torch.tensor(header, dtype=torch.float64, device=device), body])
+        dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=group)
+        values, size = vector.tolist(), dist.get_world_size(group=group)
+        sums, squares = values[1 : 1 + LANES], values[1 + LANES : HEADER]
+        if values[FAILED] or any(size * int(q) != int(s) ** 2 for s, q in zip(sums, squares)):
+            self._raise_on_every_rank(header[: 1 + LANES], error, group, device)
         return values
 
-    def report_failure(self, failure: torch.Tensor, group) -> None:
-        """Join this call's collectives for a rank whose inputs failed; its caller re-raises."""
-        self._all_reduce(failure, group)
-        self._failed_ranks(group, True, failure.device)
-
-    def _all_reduce(self, sums: torch.Tensor, group) -> None:
-        """Sum in place in one all-reduce, after the group's settings check on first use."""
-        if id(group) not in self._checked:
-            self._check_settings(group, sums.device)
-            self._checked[id(group)] = group
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-
     @staticmethod
-    def _failed_ranks(group, failed: bool, device) -> List[int]:
-        """Global ranks that failed; only a failed call pays for this extra all-gather."""
-        flag = torch.tensor([float(failed)], dtype=torch.float64, device=device)
-        ranks = dist.get_process_group_ranks(group)
-        return [rank for rank, theirs in zip(ranks, _gather(flag, group)) if theirs.item() > 0]
-
-    def _check_settings(self, group, device) -> None:
-        """All-gather each rank's settings once per group; raise on every rank if they differ."""
-        mine = torch.tensor(self.settings, dtype=torch.int64, device=device)
-        ranks = dist.get_process_group_ranks(group)
-        by_setting: Dict[tuple, List[int]] = {}
-        for rank, theirs in zip(ranks, _gather(mine, group)):
-            by_setting.setdefault(tuple(theirs.tolist()), []).append(rank)
-        if len(by_setting) > 1:
-            kinds = "; ".join(
-                f"global ranks {members}: fingerprint {key[0]:#x}, {key[1]} lower and {key[2]} "
-                "upper candidates"
-                for key, members in by_setting.items()
-            )
+    def _raise_on_every_rank(mine: List[float], error, group, device) -> None:
+        """Name the failed ranks, or each setting's ranks, in one all-gather; then raise."""
+        row = torch.tensor(mine, dtype=torch.float64, device=device)
+        rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group=group))]
+        dist.all_gather(rows, row, group=group)
+        if error is not None:
+            raise error
+        by_row: dict = {}
+        for rank, theirs in zip(dist.get_process_group_ranks(group), rows):
+            by_row.setdefault(tuple(int(x) for x in theirs.tolist()), []).append(rank)
+        failed = [rank for key, ranks in by_row.items() if key[FAILED] for rank in ranks]
+        if failed:
             raise RuntimeError(
-                "BAPO: the policy loss settings (candidate grids, positive_contribution_target, "
-                "search_order, contribution or clip_ratio_c) differ between the ranks of the "
-                f"dp_group ({kinds}); every data-parallel rank must use the same "
-                "policy_loss_fn_args"
+                f"BAPO: the policy loss failed on global rank(s) {sorted(failed)} of the "
+                "dp_group in this call (their own errors say why); every rank stops with them"
             )
+        kinds = "; ".join(f"global ranks {ranks}: {key[1:]}" for key, ranks in by_row.items())
+        raise RuntimeError(
+            "BAPO: the policy loss settings (grids, target, search_order, contribution, "
+            f"clip_ratio_c or loss_agg_mode) differ between the ranks of the dp_group ({kinds} "
+            "as settings fingerprints); every data-parallel rank must use the same arguments"
+        )
