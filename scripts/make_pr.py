@@ -52,9 +52,7 @@ def _files(*folders: str) -> List[str]:
 def pull_requests() -> List[PullRequest]:
     """Both pull requests, BAPO first."""
     bapo_patches = sorted(p.name for p in PATCHES.glob("000*.patch"))
-    bapo_files = _files("trinity", "examples/bapo_gsm8k") + [
-        "tests/algorithm/bapo_policy_loss_test.py"
-    ]
+    bapo_files = _files("trinity", "examples/bapo_gsm8k", "tests/algorithm")
     fix = ["loss-agg-mode-0001-config-copies-loss-agg-mode.patch"]
     return [
         PullRequest("bapo", bapo_patches, bapo_files),

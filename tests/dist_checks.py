@@ -4,6 +4,9 @@ Each check returns what the loss computed and the data it used; the pytest drive
 single-process answer on the union of the ranks' data and asserts. Nothing expected lives here.
 """
 
+import gc
+import os
+import pickle
 import warnings
 from typing import Dict, List
 
@@ -233,6 +236,7 @@ MISMATCHES = {
     "clip_ratio_c": {"clip_ratio_c": 2.0},
     "grid_same_length": {"ratio_upper_start": 1.25, "ratio_upper_max": 3.05},
     "grid_other_length": {"ratio_upper_max": 2.0},
+    "loss_agg_mode": {"loss_agg_mode": "seq-mean-token-mean"},
 }
 
 
@@ -268,25 +272,68 @@ def check_nonmember(ctx):
     return out
 
 
-FAILING_CALL = 1  # of three calls on one loss; the last rank passes a bad shape in this one
+# What the last rank passes in calls 1, 3 and 5 of seven, each failing before the collective.
+BAD_INPUTS = ("short_advantages", "bool_advantages", "meta_logprob")
+
+
+def _bad(data, kind):
+    """One rank's case broken in one way: a shape, a dtype or a device."""
+    if kind == "short_advantages":
+        return {**data, "advantages": data["advantages"][:, :-1]}
+    if kind == "bool_advantages":
+        return {**data, "advantages": data["advantages"] > 0}
+    return {**data, "logprob": data["logprob"].to("meta")}
 
 
 def check_failure(ctx):
-    """The last rank's inputs fail BAPO's checks in the middle call of three.
+    """The last rank's inputs fail in calls 1, 3 and 5 of seven, one bad input kind each.
 
-    Every rank records what each call returned or raised; the third call, where every rank's
-    inputs are good again, shows that nobody's collectives were left out of step.
+    Every rank records what each call returned or raised; the calls in between, where every
+    rank's inputs are good, show that nobody's collectives were left out of step.
     """
     data = make_case("mixed", ctx.rank, ctx.world, ctx.seed)
     loss_fn = BAPOPolicyLossFn(**loss_kwargs("paper_upper_surrogate"))
     calls = []
-    for call in range(3):
+    for call in range(2 * len(BAD_INPUTS) + 1):
         case = data
-        if call == FAILING_CALL and ctx.rank == ctx.world - 1:
-            case = {**data, "advantages": data["advantages"][:, :-1]}  # one column short
+        if call % 2 and ctx.rank == ctx.world - 1:
+            case = _bad(data, BAD_INPUTS[call // 2])
         calls.append(_outcome(lambda: call_bapo(ctx, loss_fn, case, dist.group.WORLD)))
     dist.barrier()
     return {"data": case_to_lists(data), "calls": calls}
+
+
+def check_copies(ctx):
+    """After a good call, the last rank goes on with a pickled copy, then a loss built anew.
+
+    The copy and the new loss keep nothing of the first; the group's settings check must not
+    depend on what a loss object remembers, so every call pairs with the peers' (no hang).
+    """
+    data = make_case("mixed", ctx.rank, ctx.world, ctx.seed)
+    loss_fn = BAPOPolicyLossFn(**loss_kwargs("paper_upper_surrogate"))
+    calls = [call_bapo(ctx, loss_fn, data, dist.group.WORLD)]
+    if ctx.rank == ctx.world - 1:
+        loss_fn = pickle.loads(pickle.dumps(loss_fn))
+    calls.append(call_bapo(ctx, loss_fn, data, dist.group.WORLD))
+    if ctx.rank == ctx.world - 1:
+        loss_fn = BAPOPolicyLossFn(**loss_kwargs("paper_upper_surrogate"))
+    calls.append(call_bapo(ctx, loss_fn, data, dist.group.WORLD))
+    return {"data": case_to_lists(data), "calls": calls}
+
+
+def check_groups(ctx):
+    """Open file descriptors over 30 groups created, used by one call, and destroyed."""
+    data = make_case("mixed", ctx.rank, ctx.world, ctx.seed)
+    loss_fn = BAPOPolicyLossFn(**loss_kwargs("paper_upper_surrogate"))
+    counts = []
+    for _ in range(30):
+        group = dist.new_group(list(range(ctx.world)))
+        call_bapo(ctx, loss_fn, data, group)
+        dist.destroy_process_group(group)
+        del group
+        gc.collect()
+        counts.append(len(os.listdir("/proc/self/fd")))
+    return {"fds": counts}
 
 
 NAN_UNMASKED = 2  # NaN log-probs placed on unmasked tokens of the last rank

@@ -18,8 +18,12 @@ from dist_oracle import compare_to_union, got_choice, locals_differ, oracle, tok
 from scripts.harness.launch import tail, torchrun
 
 BASE_CHECKS = ["group_none", "oracle", "trinity", "sync_off", "nonfinite", "gradient"]
-BASE_CHECKS += ["mismatch", "failure"]
-CHECKS_BY_WORLD = {2: BASE_CHECKS, 3: BASE_CHECKS + ["subgroup", "nonmember"], 4: BASE_CHECKS}
+BASE_CHECKS += ["mismatch", "failure", "copies"]
+CHECKS_BY_WORLD = {
+    2: BASE_CHECKS + ["groups"],
+    3: BASE_CHECKS + ["subgroup", "nonmember"],
+    4: BASE_CHECKS,
+}
 WORLDS = sorted(CHECKS_BY_WORLD)
 ALL_REDUCE = "c10d.allreduce_.default"
 # Before the candidates' sums: a failure count and three 16-bit settings-fingerprint lanes with
@@ -243,31 +247,68 @@ def test_ranks_with_different_settings_raise_everywhere(launches, world, backend
             assert f"global ranks [{world - 1}]" in outcome["message"], (variant, rank, outcome)
 
 
+# What the last rank raises for each bad input of the failure check, and a phrase of it
+RAISED = {
+    "short_advantages": ("ValueError", "must share one shape"),
+    "bool_advantages": ("ValueError", "floating point"),
+    "meta_logprob": ("RuntimeError", "device meta"),
+}
+
+
 @with_backend
 @pytest.mark.parametrize("world", WORLDS)
 def test_bad_inputs_on_one_rank_raise_on_every_rank_in_that_call(launches, world, backend):
-    """The last rank's shapes are wrong in call 2 of 3: no rank returns from that call.
+    """The last rank's inputs fail in calls 1, 3 and 5: no rank returns from those calls.
 
-    The bad rank raises its own ValueError, the others a RuntimeError naming it; in call 3,
-    with good inputs everywhere, every rank again takes the union's pair (nothing off by one).
+    A wrong shape, bool advantages, a log-prob on another device: the bad rank raises its own
+    error, the others a RuntimeError naming it; in the calls between, with good inputs
+    everywhere, every rank again takes the union's pair (nothing off by one).
     """
     result = results(launches, world, backend, "failure")
     datas = [rank_result["data"] for rank_result in result]
     name = "paper_upper_surrogate"
     want = oracle(union_tokens(datas), name)
     for rank, rank_result in enumerate(result):
-        first, failed, after = rank_result["calls"]
-        for outcome in (first, after):
-            assert "result" in outcome, (rank, outcome)
-            assert got_choice(outcome["result"]["metrics"]) == want, rank
-            assert outcome["result"]["collectives"][-1] == ALL_REDUCE, rank
-        if rank == world - 1:
-            assert failed.get("raised") == "ValueError", failed
-            assert "must share one shape" in failed["message"], failed
-        else:
-            assert failed.get("raised") == "RuntimeError", (rank, failed)
-            assert f"failed on global rank(s) [{world - 1}]" in failed["message"], failed
+        for call, outcome in enumerate(rank_result["calls"]):
+            if call % 2 == 0:
+                assert "result" in outcome, (rank, call, outcome)
+                assert got_choice(outcome["result"]["metrics"]) == want, (rank, call)
+                assert outcome["result"]["collectives"][-1] == ALL_REDUCE, (rank, call)
+            elif rank == world - 1:
+                error, phrase = RAISED[common.BAD_INPUTS[call // 2]]
+                assert outcome.get("raised") == error and phrase in outcome["message"], outcome
+            else:
+                assert outcome.get("raised") == "RuntimeError", (rank, call, outcome)
+                assert f"failed on global rank(s) [{world - 1}]" in outcome["message"], outcome
     assert locals_differ(datas, name), "data cannot tell a local choice from a synced one"
+
+
+@with_backend
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_copied_or_new_loss_on_one_rank_pairs_with_its_peers(launches, world, backend):
+    """A pickled copy and a loss built anew on the last rank: every call takes the union pair.
+
+    Each is one all-reduce: the group's length lives with the process, not the loss object.
+    """
+    result = results(launches, world, backend, "copies")
+    want = oracle(
+        union_tokens([rank_result["data"] for rank_result in result]), "paper_upper_surrogate"
+    )
+    for rank, rank_result in enumerate(result):
+        for call, outcome in enumerate(rank_result["calls"]):
+            assert got_choice(outcome["metrics"]) == want, (rank, call)
+            assert call == 0 or outcome["collectives"] == [ALL_REDUCE], (rank, call, outcome)
+
+
+@with_backend
+def test_destroyed_groups_leave_no_descriptors_open(launches, backend):
+    """30 groups created, used and destroyed: the open descriptors stay flat after the first.
+
+    A reference to each group kept anywhere would hold about five more per group.
+    """
+    for rank, rank_result in enumerate(results(launches, 2, backend, "groups")):
+        fds = rank_result["fds"]
+        assert max(fds) - fds[0] <= 2, f"rank {rank}: descriptors {fds[0]} -> {max(fds)}"
 
 
 @with_backend

@@ -37,8 +37,9 @@ PULL_REQUESTS = {
             "examples/bapo_gsm8k/gsm8k.yaml",
             "examples/bapo_gsm8k/README.md",
             "tests/algorithm/bapo_policy_loss_test.py",
+            "tests/algorithm/bapo_data_parallel_test.py",
         },
-        ("tests/algorithm", "bapo_policy_loss_test.py", 4),
+        ("tests/algorithm", "bapo_*_test.py", 14),
     ),
     "loss-agg-mode": (
         ["loss-agg-mode-0001-config-copies-loss-agg-mode.patch"],
@@ -95,13 +96,13 @@ def applied(request, written, tmp_path_factory):
     return request.param, tree, touched
 
 
-def unit_test(tree: Path, folder: str, pattern: str) -> subprocess.CompletedProcess:
-    """Run one unittest file against the tree's code."""
+def unit_test(tree: Path, folder: str, pattern: str, path=()) -> subprocess.CompletedProcess:
+    """Run the unittest files ``pattern`` against the tree's code (after ``path``)."""
     return run(
         sys.executable,
         *("-m", "unittest", "discover", "-v", "-s", folder, "-p", pattern),
         cwd=tree,
-        PYTHONPATH=str(tree),
+        PYTHONPATH=os.pathsep.join([*map(str, path), str(tree)]),
     )
 
 
@@ -168,3 +169,33 @@ def test_config_fix_test_fails_on_the_released_tree(written, tmp_path_factory) -
     (tree / rel).write_bytes((REPO / rel).read_bytes())
     done = unit_test(tree, "tests/common", "loss_agg_mode_config_test.py")
     assert done.returncode != 0 and "FAILED (failures=" in done.stderr, done.stderr
+
+
+# What each of the BAPO pull request's claims rests on, undone in the patched tree, and a test
+# of the pull request's own that must then fail.
+BREAKAGES = {
+    "all_reduce_does_nothing": "setUpClass (bapo_data_parallel_test.BAPODataParallelTest)",
+    "trinity_policy_loss_passes_no_group": "test_trinity_policy_loss_hands_the_engine_group",
+    "metaclass_ignores_runtime_keys": "test_dp_group_is_no_batch_field",
+}
+
+
+@pytest.mark.parametrize("breakage", sorted(BREAKAGES))
+def test_bapo_tests_fail_when_a_claim_is_undone(breakage, written, tmp_path_factory) -> None:
+    tree, path = fresh_tree(tmp_path_factory), []
+    assert run("git", "apply", written / "trinity-rft-bapo.patch", cwd=tree).returncode == 0
+    if breakage == "all_reduce_does_nothing":  # in every process, the spawned ranks included
+        path.append(tmp_path_factory.mktemp("hook"))
+        hook = "import torch.distributed\ntorch.distributed.all_reduce = lambda *a, **k: None\n"
+        (path[0] / "sitecustomize.py").write_text(hook)
+    elif breakage == "trinity_policy_loss_passes_no_group":
+        losses = tree / "trinity" / "trainer" / "verl" / "losses.py"
+        text = losses.read_text()
+        assert text.count("dp_group=dp_group") == 1
+        losses.write_text(text.replace("dp_group=dp_group", "dp_group=None"))
+    else:  # the released metaclass, which reads no _runtime_keys
+        rel = "trinity/algorithm/policy_loss_fn/policy_loss_fn.py"
+        (tree / rel).write_bytes((fresh_tree(tmp_path_factory) / rel).read_bytes())
+    done = unit_test(tree, "tests/algorithm", "bapo_*_test.py", path)
+    failed = re.findall(r"^(?:FAIL|ERROR): (.+)$", done.stderr, re.M)
+    assert done.returncode != 0 and any(BREAKAGES[breakage] in name for name in failed), failed

@@ -6,6 +6,7 @@ authors' loops) of ``bapo_reference`` and the clipped loss in plain Python over 
 inputs must give the same numbers.
 """
 
+import inspect
 import math
 
 import pytest
@@ -63,11 +64,17 @@ def oracle(case, shift, overrides):
     }
 
 
-METHODS = sorted(name for name in dir(upstream.BAPOPolicyLossTest) if name.startswith("test_"))
+# The methods that state literal expectations (the others check against their own reference)
+METHODS = sorted(
+    name
+    for name, method in vars(upstream.BAPOPolicyLossTest).items()
+    if name.startswith("test_") and "self.check(" in inspect.getsource(method)
+)
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_stated_numbers_are_the_oracles(method):
+    assert len(METHODS) == 4
     case = Stated(method)
     case.setUp()
     getattr(case, method)()

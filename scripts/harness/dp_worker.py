@@ -55,8 +55,8 @@ class Context:
         self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else "cpu"
 
     def put(self, data):
-        """Move a case's tensors to this rank's device."""
-        return {key: value.to(self.device) for key, value in data.items()}
+        """Move a case's tensors to this rank's device (a meta tensor stays: a wrong device)."""
+        return {k: v if v.is_meta else v.to(self.device) for k, v in data.items()}
 
 
 def counted_call(loss_fn, **kwargs):

@@ -4,15 +4,60 @@
 The expected values were computed independently of this implementation: by a plain-Python,
 loop-by-loop transcription of the paper's Algorithm 1 (and of the authors' lower-bound-first
 order), which recomputes the positive contribution from the tokens for every candidate pair,
-and of the clipped loss at the chosen pair, in float64, on the inputs built in setUp.
+and of the clipped loss at the chosen pair, in float64, on the inputs built in setUp. Such a
+transcription is written out below and checked against the loss on seeded random inputs.
 """
 
+import math
 import unittest
+from decimal import Decimal
 
 import torch
 from verl import DataProto
 
 from trinity.algorithm.policy_loss_fn import POLICY_LOSS_FN
+
+
+def reference_rho(tokens, c_low, c_high, contribution, clip_ratio_c):
+    """The positive share P / (P + N) at one pair, over the (ratio, advantage) tokens."""
+    positive = negative = 0.0
+    for r, a in tokens:
+        if contribution == "surrogate":  # Eq. 8
+            positive += a * min(r, c_high) if a > 0 else 0.0
+            negative += -a * max(r, c_low) if a < 0 else 0.0
+        elif a > 0 and r <= c_high:  # "gradient": tokens whose loss still depends on logprob
+            positive += a * r
+        elif a < 0 and c_low <= r and (clip_ratio_c is None or r < clip_ratio_c):
+            negative += -a * r
+    return 1.0 if positive + negative == 0 else positive / (positive + negative)
+
+
+def reference_search(tokens, args):
+    """Algorithm 1 (upper_first) or the authors' two loops (lower_first), as written."""
+    low, low_max, low_step, high, high_max, high_step = (
+        Decimal(repr(args[f"ratio_{side}_{part}"]))
+        for side in ("lower", "upper")
+        for part in ("start", "max", "step")
+    )
+
+    def below_target():
+        rho = reference_rho(
+            tokens, float(low), float(high), args["contribution"], args["clip_ratio_c"]
+        )
+        return rho < args["positive_contribution_target"]
+
+    if args["search_order"] == "upper_first":
+        while below_target() and low + low_step <= low_max:
+            if high + high_step <= high_max:
+                high += high_step
+            else:
+                low += low_step
+    else:
+        while below_target() and low < low_max:
+            low = min(low + low_step, low_max)
+        while below_target() and high < high_max:
+            high = min(high + high_step, high_max)
+    return float(low), float(high)
 
 
 class BAPOPolicyLossTest(unittest.TestCase):
@@ -125,3 +170,56 @@ class BAPOPolicyLossTest(unittest.TestCase):
             "bapo_target_met": 0.0,
         }
         self.check(loss, metrics, expected)
+
+    def test_bapo_policy_loss_matches_a_literal_algorithm_one(self):
+        """Seeded random micro-batches (float64): the loss's pair is the reference's pair."""
+        policy_loss_fn_cls = POLICY_LOSS_FN.get("bapo")
+        authors_grid = {"ratio_lower_max": 0.8, "ratio_lower_step": 0.05, "ratio_upper_max": 2.0}
+        pairs = set()
+        for seed in range(6):
+            generator = torch.Generator().manual_seed(seed)
+            shape = (4, 16)
+            old_logprob = -torch.rand(shape, generator=generator, dtype=torch.float64)
+            logprob = old_logprob + 0.6 * torch.randn(
+                shape, generator=generator, dtype=torch.float64
+            )
+            shift = 0.15 * (seed - 3)  # from mostly negative to mostly positive advantages
+            advantages = torch.randn(shape, generator=generator, dtype=torch.float64) + shift
+            mask = torch.rand(shape, generator=generator) > 0.2
+            tokens = [
+                (math.exp(lp - old), a)
+                for lp, old, a, m in zip(
+                    logprob.flatten().tolist(),
+                    old_logprob.flatten().tolist(),
+                    advantages.flatten().tolist(),
+                    mask.flatten().tolist(),
+                )
+                if m
+            ]
+            for search_order, grid in (("upper_first", {}), ("lower_first", authors_grid)):
+                for contribution in ("surrogate", "gradient"):
+                    args = {
+                        **policy_loss_fn_cls.default_args(),
+                        **grid,
+                        "search_order": search_order,
+                        "contribution": contribution,
+                    }
+                    _, metrics = policy_loss_fn_cls(**args)(
+                        logprob=logprob,
+                        old_log_probs=old_logprob,
+                        response_mask=mask,
+                        advantages=advantages,
+                    )
+                    got = (metrics["bapo_clip_low"], metrics["bapo_clip_high"])
+                    self.assertEqual(got, reference_search(tokens, args), (seed, args))
+                    pairs.add(got)
+        self.assertGreater(len(pairs), 6)  # start pairs, mid-path stops and ends of the grids
+
+    def test_bapo_lower_range_without_room_is_refused_under_upper_first(self):
+        """Algorithm 1 raises c_high only while c_low has room; the config would never adapt."""
+        policy_loss_fn_cls = POLICY_LOSS_FN.get("bapo")
+        point = {"ratio_lower_start": 0.8, "ratio_lower_max": 0.8}
+        with self.assertRaisesRegex(ValueError, "never adapts.*lower_first"):
+            policy_loss_fn_cls(**point)
+        policy_loss_fn_cls(**point, search_order="lower_first")
+        policy_loss_fn_cls(**point, ratio_upper_start=1.2, ratio_upper_max=1.2)  # PPO's clip

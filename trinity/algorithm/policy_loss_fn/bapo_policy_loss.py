@@ -34,10 +34,8 @@ LOSS_AGG_MODES = (
 )
 # The loss compares ratios with the bounds in the model's precision, so a bound must survive
 # the cast to float32 (bfloat16 has the same range): no underflow to 0, no overflow to inf.
-RATIO_RANGES = {
-    "ratio_lower": (float(torch.finfo(torch.float32).tiny), 1.0),
-    "ratio_upper": (1.0, float(torch.finfo(torch.float32).max)),
-}
+FLOAT32 = torch.finfo(torch.float32)
+RATIO_RANGES = {"ratio_lower": (float(FLOAT32.tiny), 1.0), "ratio_upper": (1.0, float(FLOAT32.max))}
 
 
 def _check(name: str, value, allowed: str, low=-math.inf, high=math.inf, choices=None):
@@ -160,13 +158,17 @@ class BAPOPolicyLossFn(PolicyLossFn):
 
     def _search_inputs(self, logprob, old_logprob, action_mask, advantages):
         """Check the inputs; return the ratio, log-ratio, cleaned advantages and local sums."""
-        tensors = (logprob, old_logprob, action_mask, advantages)
-        if len({t.shape for t in tensors}) != 1:
-            shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
-            raise ValueError(f"BAPO: the four inputs must share one shape, got {shapes}")
-        if not all(t.is_floating_point() for t in (logprob, old_logprob, advantages)):
-            dtypes = ", ".join(str(t.dtype) for t in tensors)
-            raise ValueError(f"BAPO: logprobs and advantages must be floating point, got {dtypes}")
+        shapes = [tuple(t.shape) for t in (logprob, old_logprob, action_mask, advantages)]
+        if len(set(shapes)) != 1:
+            raise ValueError(
+                "BAPO: logprob, old_logprob, action_mask and advantages must share one shape, "
+                f"got {shapes}"
+            )
+        dtypes = [t.dtype for t in (logprob, old_logprob, advantages)]
+        if not all(dtype.is_floating_point for dtype in dtypes):
+            raise ValueError(
+                f"BAPO: logprob, old_logprob and advantages must be floating point, got {dtypes}"
+            )
         # Masked tokens take part in nothing: zeroed before any arithmetic, so that even a NaN
         # there reaches neither the loss nor its gradient. Live tokens see PPO's exact values.
         masked = action_mask == 0

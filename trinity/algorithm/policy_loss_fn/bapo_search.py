@@ -95,10 +95,9 @@ class BoundSearch:
         """[P per upper candidate | N per lower candidate | non-finite live tokens], float64.
 
         A live token (``mask != 0``) weighs ``|A|`` times ``weight`` (by default its mask
-        value); masked tokens and tokens not ``finite`` weigh 0. Each token falls in one bin
-        of ``copysign(r, A)`` cut at ``[-b-, ..., -a-, 0, a+, ..., b+]``; a ratio on a bound is
-        unclipped, as ``torch.clamp`` passes its gradient there. Nothing here waits on the
-        device, and the caller's tensors are never written.
+        value); masked tokens and tokens not ``finite`` weigh 0. Each token falls in one bin of
+        ``copysign(r, A)`` cut at ``[-b-, ..., -a-, 0, a+, ..., b+]`` (a ratio on a bound is
+        unclipped, as in ``torch.clamp``). No host sync; the caller's tensors stay unwritten.
         """
         signed, lower, upper, dual = self._constants_on(ratio, advantages)
         live = (mask != 0).reshape(-1)
@@ -110,19 +109,18 @@ class BoundSearch:
         # the negative side; the float64 copy stays below e^20 where the 16-bit one overflows.
         r = ratio.detach().reshape(-1).clamp(min=torch.finfo(ratio.dtype).tiny)
         bins = torch.bucketize(torch.copysign(r, adv), signed)  # A = 0 weighs 0 on either side
-        r = r.double().clamp_(max=math.exp(LOG_RATIO_CLAMP)).masked_fill_(dropped, 1.0)
+        bins = torch.where(dropped, len(signed) + 1, bins)  # a last bin, never read: NaN there
+        r = r.double().clamp_(max=math.exp(LOG_RATIO_CLAMP))
         w = adv.to(torch.float64, copy=True).abs_()
         if weight is not None:
             w.mul_(weight.detach().reshape(-1))
-        w.masked_fill_(dropped, 0.0)
         if self.contribution == "gradient" and self.clip_ratio_c is not None:
             # Past the dual clip A < 0 has no gradient; on it, torch.min splits it in half.
             # (Only |A| r is read under "gradient", so |A| may carry this share.)
             share = torch.where(r > dual, 0.0, torch.where(r == dual, 0.5, 1.0))
             w.mul_(share.masked_fill_(adv > 0, 1.0))
-        columns = torch.stack([r.mul_(w), w], dim=1)  # |A| r and |A|
-        hist = columns.new_zeros(len(signed) + 1, 2).index_add_(0, bins, columns)
-        return self._candidate_sums(hist[:, 0], hist[:, 1], upper, lower, (live & dropped).sum())
+        hist_r, hist_w = (w.new_zeros(len(signed) + 2).index_add_(0, bins, x) for x in (r * w, w))
+        return self._candidate_sums(hist_r, hist_w, upper, lower, (live & dropped).sum())
 
     def _candidate_sums(self, hist_r, hist_w, upper, lower, nonfinite) -> torch.Tensor:
         """Every candidate's P and N from the per-bin sums of ``|A| r`` and ``|A|``.
@@ -134,7 +132,7 @@ class BoundSearch:
         candidate's own tokens, so one huge token cannot erase the small ones.
         """
         n_low = len(self.lower)
-        pos_r, pos_w = hist_r[n_low + 1 :], hist_w[n_low + 1 :]
+        pos_r, pos_w = hist_r[n_low + 1 : -1], hist_w[n_low + 1 : -1]
         neg_r, neg_w = hist_r[: n_low + 1].flip(0), hist_w[: n_low + 1].flip(0)
         positive, negative = pos_r.cumsum(0)[:-1], _suffix_sums(neg_r)[1:]
         if self.contribution == "surrogate":
