@@ -127,10 +127,12 @@ def test_default_args_and_constructor_defaults_are_the_papers():
 
 
 def test_example_writes_the_papers_values():
-    """The file itself, read as plain YAML: every search argument spelled out, paper values."""
-    # loss_agg_mode is set at algorithm level: Trinity overwrites the policy-loss copy with it
-    expected = {key: value for key, value in DEFAULTS.items() if key != "loss_agg_mode"}
-    assert example()["algorithm"]["policy_loss_fn_args"] == expected
+    """The file itself, read as plain YAML: every argument spelled out, paper values.
+
+    ``loss_agg_mode`` is written at the algorithm level and among the loss arguments, where
+    Trinity 0.6.0 reads it for the loss.
+    """
+    assert example()["algorithm"]["policy_loss_fn_args"] == DEFAULTS
     assert example()["algorithm"]["loss_agg_mode"] == "token-mean"
 
 
@@ -167,21 +169,23 @@ def test_example_passes_the_full_check(job_dirs):
     assert config.buffer.explorer_input.tasksets[0].repeat_times == 8
 
 
-# Where loss_agg_mode is written: (key dropped from the example's algorithm, section written in)
+# Where loss_agg_mode is written: (key dropped from the example's algorithm, sections written in)
 PLACES = {
-    "at-algorithm-level": (None, "algorithm"),  # where the README says, next to the written args
-    "only-among-loss-args": ("loss_agg_mode", "policy_loss_fn_args"),
-    "at-algorithm-level-with-no-loss-args": ("policy_loss_fn_args", "algorithm"),  # BAPO's defaults
+    "in-both-places": (None, ("algorithm", "policy_loss_fn_args")),  # as the example writes it
+    "at-algorithm-level": (None, ("algorithm",)),  # beside written args that hold it too
+    "only-among-loss-args": ("loss_agg_mode", ("policy_loss_fn_args",)),
+    "at-algorithm-level-with-no-loss-args": ("policy_loss_fn_args", ("algorithm",)),  # defaults
 }
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
-@pytest.mark.parametrize("dropped, section", PLACES.values(), ids=PLACES.keys())
-def test_loss_agg_mode_reaches_bapo_and_the_trainer(job_dirs, dropped, section, mode):
+@pytest.mark.parametrize("dropped, sections", PLACES.values(), ids=PLACES.keys())
+def test_loss_agg_mode_reaches_bapo_and_the_trainer(job_dirs, dropped, sections, mode):
     written = example()
     algorithm = written["algorithm"]
     algorithm.pop(dropped, None)
-    (algorithm if section == "algorithm" else algorithm[section])["loss_agg_mode"] = mode
+    for section in sections:
+        (algorithm if section == "algorithm" else algorithm[section])["loss_agg_mode"] = mode
     (job_dirs / "config.yaml").write_text(yaml.safe_dump(written))
     config = load_and_validate(job_dirs / "config.yaml")
     assert config.algorithm.loss_agg_mode == mode
@@ -209,3 +213,36 @@ def test_bad_search_argument_fails_when_the_loss_is_built(tmp_path):
     config = minimal(tmp_path, policy_loss_fn_args={"positive_contribution_traget": 0.5})
     with pytest.raises(TypeError):
         built_loss(config)
+
+
+def load_example(name: str) -> Config:
+    """One of the example's configs through Trinity's loader and its offline validators."""
+    return load_and_validate(EXAMPLE.parent / f"{name}.yaml")
+
+
+def test_single_gpu_example_colocates_a_small_model_on_one_gpu(job_dirs):
+    config = load_example("gsm8k_colocate")
+    assert_preset(config.algorithm)
+    assert (config.mode, config.cluster.node_num, config.cluster.gpu_per_node) == ("colocate", 1, 1)
+    assert config.model.model_path.endswith("Qwen2.5-0.5B-Instruct")  # at most 1B parameters
+    assert config.synchronizer.sync_method.value == "memory"
+    assert config.explorer.rollout_model.gpu_memory_utilization == 0.25
+    assert config.explorer.rollout_model.engine_num == 1 and config.trainer.optimizer_offload
+    assert built_loss(config).loss_agg_mode == config.algorithm.loss_agg_mode == "token-mean"
+
+
+def test_off_policy_example_splits_explorer_and_trainer_over_one_queue(job_dirs):
+    """Two processes, two GPUs each, one experience queue, weights every 10 steps."""
+    explorer, trainer = load_example("async_explorer"), load_example("async_trainer")
+    assert (explorer.mode, trainer.mode) == ("explore", "train")
+    assert explorer.name == trainer.name and explorer.project == trainer.project
+    queues = [c.buffer.trainer_input.experience_buffer for c in (explorer, trainer)]
+    assert queues[0].name == queues[1].name and queues[0].path == queues[1].path
+    assert queues[0].storage_type == "queue"
+    for config in (explorer, trainer):
+        assert_preset(config.algorithm)
+        assert config.synchronizer.sync_method.value == "checkpoint"
+        assert config.synchronizer.sync_interval == 10
+    assert explorer.cluster.explorer_gpu_num == trainer.cluster.trainer_gpu_num == 2
+    loss = built_loss(trainer)
+    assert loss.sync_across_dp is True and loss.loss_agg_mode == trainer.algorithm.loss_agg_mode

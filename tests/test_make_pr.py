@@ -7,6 +7,7 @@ on the released tree, or it would prove nothing.
 """
 
 import importlib.metadata
+import json
 import os
 import re
 import subprocess
@@ -35,11 +36,14 @@ PULL_REQUESTS = {
             "trinity/algorithm/policy_loss_fn/bapo_search.py",
             "trinity/algorithm/policy_loss_fn/bapo_sync.py",
             "examples/bapo_gsm8k/gsm8k.yaml",
+            "examples/bapo_gsm8k/gsm8k_colocate.yaml",
+            "examples/bapo_gsm8k/async_explorer.yaml",
+            "examples/bapo_gsm8k/async_trainer.yaml",
             "examples/bapo_gsm8k/README.md",
             "tests/algorithm/bapo_policy_loss_test.py",
             "tests/algorithm/bapo_data_parallel_test.py",
         },
-        ("tests/algorithm", "bapo_*_test.py", 14),
+        ("tests/algorithm", "bapo_*_test.py", 15),
     ),
     "loss-agg-mode": (
         ["loss-agg-mode-0001-config-copies-loss-agg-mode.patch"],
@@ -104,6 +108,19 @@ def unit_test(tree: Path, folder: str, pattern: str, path=()) -> subprocess.Comp
         cwd=tree,
         PYTHONPATH=os.pathsep.join([*map(str, path), str(tree)]),
     )
+
+
+# What a file of a pull request must not name: this repository's tooling and layout
+OUR_TOOLING = re.compile(
+    r"\bmake (setup|test|lint|pr|demo|bench|experiment|dp-check)\b|`make`"
+    r"|\bpatches/|\bdocs/|\.venv\b|\bscripts/"
+)
+
+
+@pytest.mark.parametrize("name", sorted(PULL_REQUESTS))
+def test_pull_requests_name_none_of_this_repositorys_tooling(written, name) -> None:
+    text = (written / f"trinity-rft-{name}.patch").read_text()
+    assert [line for line in text.splitlines() if OUR_TOOLING.search(line)] == []
 
 
 def test_make_pr_writes_exactly_the_two_pull_requests(written) -> None:
@@ -180,10 +197,16 @@ BREAKAGES = {
 }
 
 
+def bapo_tree(written: Path, tmp_path_factory) -> Path:
+    """A fresh sdist with the BAPO pull request alone applied."""
+    tree = fresh_tree(tmp_path_factory)
+    assert run("git", "apply", written / "trinity-rft-bapo.patch", cwd=tree).returncode == 0
+    return tree
+
+
 @pytest.mark.parametrize("breakage", sorted(BREAKAGES))
 def test_bapo_tests_fail_when_a_claim_is_undone(breakage, written, tmp_path_factory) -> None:
-    tree, path = fresh_tree(tmp_path_factory), []
-    assert run("git", "apply", written / "trinity-rft-bapo.patch", cwd=tree).returncode == 0
+    tree, path = bapo_tree(written, tmp_path_factory), []
     if breakage == "all_reduce_does_nothing":  # in every process, the spawned ranks included
         path.append(tmp_path_factory.mktemp("hook"))
         hook = "import torch.distributed\ntorch.distributed.all_reduce = lambda *a, **k: None\n"
@@ -199,3 +222,51 @@ def test_bapo_tests_fail_when_a_claim_is_undone(breakage, written, tmp_path_fact
     done = unit_test(tree, "tests/algorithm", "bapo_*_test.py", path)
     failed = re.findall(r"^(?:FAIL|ERROR): (.+)$", done.stderr, re.M)
     assert done.returncode != 0 and any(BREAKAGES[breakage] in name for name in failed), failed
+
+
+# Writes each mode where the example configs write it, then loads them through the tree's own
+# loader and offline validators and builds the trainer's loss: (algorithm's, loss's) modes.
+EXAMPLE_MODES = """
+import json, sys, yaml
+from trinity.algorithm import POLICY_LOSS_FN
+from trinity.common.config import load_config
+from trinity.common.config_validator import BufferConfigValidator, validators
+
+found = {}
+for name in ("gsm8k", "gsm8k_colocate", "async_trainer"):
+    written = yaml.safe_load(open(f"examples/bapo_gsm8k/{name}.yaml"))
+    assert "loss_agg_mode" in written["algorithm"], name  # the example writes it in both places
+    assert "loss_agg_mode" in written["algorithm"]["policy_loss_fn_args"], name
+    for mode in sys.argv[1:]:
+        written["algorithm"]["loss_agg_mode"] = mode
+        written["algorithm"]["policy_loss_fn_args"]["loss_agg_mode"] = mode
+        yaml.safe_dump(written, open("config.yaml", "w"))
+        config = load_config("config.yaml")
+        for validator in validators:
+            if not isinstance(validator, BufferConfigValidator):
+                validator.validate(config)
+        args = config.algorithm.policy_loss_fn_args
+        loss = POLICY_LOSS_FN.get(config.algorithm.policy_loss_fn)(**args)
+        found[f"{name}/{mode}"] = [config.algorithm.loss_agg_mode, loss.loss_agg_mode]
+print(json.dumps(found))
+"""
+AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+def test_examples_reach_the_loss_with_their_mode_without_the_config_fix(
+    written, tmp_path_factory
+) -> None:
+    """On 0.6.0 with the BAPO PR alone, each mode written as the examples write it is BAPO's."""
+    tree = bapo_tree(written, tmp_path_factory)
+    checkpoints = str(tmp_path_factory.mktemp("checkpoints"))
+    done = run(
+        sys.executable,
+        *("-c", EXAMPLE_MODES, *AGG_MODES),
+        cwd=tree,
+        PYTHONPATH=str(tree),
+        TRINITY_CHECKPOINT_ROOT_DIR=checkpoints,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(found) == 3 * len(AGG_MODES)
+    assert all(modes == [key.split("/")[1]] * 2 for key, modes in found.items()), found

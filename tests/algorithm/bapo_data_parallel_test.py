@@ -25,10 +25,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tensordict import TensorDict
 
+from trinity.algorithm.algorithm import BAPOAlgorithm
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 from trinity.algorithm.policy_loss_fn.bapo_sync import ContributionSync
 from trinity.algorithm.policy_loss_fn.policy_loss_fn import PolicyLossFn
-from trinity.common.config import AlgorithmConfig
+from trinity.common.config import AlgorithmConfig, Config
 from trinity.trainer.verl.losses import TrinityPolicyLoss
 
 WORLD = 2
@@ -182,6 +183,33 @@ class BAPORuntimeKeyTest(unittest.TestCase):
         probe = Probe()
         self.call_through_trinity(probe, object())
         self.assertEqual(probe.received, [])
+
+    def test_the_preset_names_trainers_that_pass_no_group(self):
+        """Tinker and the legacy Megatron actor call the loss without a dp_group: a warning."""
+        warned = {}
+        for trainer_type, strategy, legacy in [
+            ("verl", "fsdp2", False),
+            ("tinker", "fsdp2", False),
+            ("verl", "megatron", True),
+        ]:
+            config = Config()
+            config.trainer.trainer_type, config.trainer.trainer_strategy = trainer_type, strategy
+            for sync in (True, False):
+                config.algorithm.policy_loss_fn_args = {"sync_across_dp": sync}
+                with (
+                    mock.patch("trinity.algorithm.algorithm.logger") as logger,
+                    mock.patch("trinity.trainer.trainer.is_verl_legacy", return_value=legacy),
+                ):
+                    BAPOAlgorithm.check_config(config)
+                calls = logger.warning.mock_calls
+                warned[strategy if legacy else trainer_type, sync] = [c.args[0] for c in calls]
+        quiet = [key for key, messages in warned.items() if not messages]
+        self.assertEqual(
+            sorted(quiet),
+            [("megatron", False), ("tinker", False)] + [("verl", s) for s in (False, True)],
+        )
+        self.assertIn("the Tinker trainer", warned["tinker", True][0])
+        self.assertIn("the legacy Megatron actor", warned["megatron", True][0])
 
 
 class BAPODataParallelTest(unittest.TestCase):
