@@ -2,7 +2,8 @@
 
 The harness trainer, under torchrun, trains a tiny Llama on ``stop`` from rollouts ``--lag``
 updates old, with PPO's pair (0.8, 1.28) and with BAPO's defaults, on the same seeds. Draws
-``<out>/report.png`` (and ``docs/demo_report.png``); the last stdout line is one JSON object.
+``<out>/report.png`` (``--update-docs`` copies it into docs/); the last stdout line is one JSON
+object.
 Exit status 1 if the ranks used different pairs or the loss missed the engine's group, 2 if the
 workers failed, 3 if they timed out. Run: python -m scripts.demo [--steps N] [--ranks R]
 """
@@ -33,7 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/demo", type=Path, help="output folder")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before giving up")
     p.add_argument("--no-sync", action="store_true", help="BAPO with sync_across_dp: false")
-    p.add_argument("--no-docs", action="store_true", help="do not copy the figure to docs/")
+    p.add_argument("--update-docs", action="store_true", help="copy the figure into docs/")
     args = p.parse_args(argv)
     if args.steps < 1 or args.ranks < 1 or args.lag < 0:
         p.error("--steps and --ranks must be at least 1, --lag at least 0")
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
         f"of 8, rollout policy {args.lag} steps stale, seed {args.seed}"
     )
     labels = {name: variant(name).label for name in VARIANTS}
-    docs = None if args.no_docs else "demo_report.png"
+    docs = "demo_report.png" if args.update_docs else None
     report.plot(
         {"demo": {n: [r] for n, r in rows.items()}}, labels, args.out / "report.png", title, docs
     )
@@ -74,10 +75,6 @@ def main(argv=None) -> int:
         **checks,
         **{name: {k: s[k] for k in keys} for name, s in summaries.items()},
         "logprob_layout_max_err": max(s["logprob_layout_max_err"] or 0 for s in summaries.values()),
-        "ranks": args.ranks,
-        "steps": args.steps,
-        "lag": args.lag,
-        "bapo_sync_across_dp": not args.no_sync,
         "report": str(args.out / "report.png"),
         "wall_time_s": round(time.time() - started, 1),
     }

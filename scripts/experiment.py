@@ -2,8 +2,9 @@
 
 Each staleness level x seed is one launch of the trainer on one gloo rank, training the six
 variants in turn; ``--workers`` launches at a time. Writes ``<out>/<level>/seed<k>/<variant>/``,
-``table.md``, ``summary.json`` and ``report.png`` (and ``docs/experiment_report_<task>.png``);
-the last stdout line is one JSON object; exit status 2 when a run did not finish.
+``table.md``, ``summary.json`` and ``report.png`` (``--update-docs`` copies the figure into
+docs/). Each launch prints a progress line every ``--log-every`` steps, and the study one as
+each launch ends; the last stdout line is one JSON object; exit 2 when a run did not finish.
 """
 
 import argparse
@@ -13,6 +14,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Tuple
 
 from scripts.harness import report
 from scripts.harness.launch import tail, torchrun
@@ -34,7 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2, help="launches trained in parallel")
     p.add_argument("--out", default="runs/experiment", type=Path, help="output folder")
     p.add_argument("--quick", action="store_true", help="6 steps, 2 seeds: a smoke run")
-    p.add_argument("--no-docs", action="store_true", help="do not copy the figure to docs/")
+    p.add_argument("--update-docs", action="store_true", help="copy the figure into docs/")
+    p.add_argument("--log-every", type=int, default=25, help="steps between progress lines")
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds per launch")
     args = p.parse_args(argv)
     if args.quick:
@@ -44,27 +47,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def launch(args, names, level: str, seed: int) -> str:
-    """Train every variant at one level and seed; return what went wrong ('' if nothing)."""
+def launch(args, names, job: Tuple[str, int], ended: list) -> str:
+    """Train every variant at one level and seed; return what went wrong ('' if nothing).
+
+    Its progress lines stream to stdout; ``ended`` collects the launches' end times.
+    """
+    level, seed = job
     lag, epochs = LEVELS[level]
-    out = args.out / level / f"seed{seed}"
+    out, tag = args.out / level / f"seed{seed}", f"{level}/seed{seed}"
     argv = ["--variants", ",".join(names), "--seed", seed, "--out", out, "--task", args.task]
-    argv += ["--lag", lag, "--epochs", epochs, "--steps", args.steps, "--log-every", 0]
-    done = torchrun(1, "scripts.harness.trainer", argv, args.timeout)
+    argv += ["--lag", lag, "--epochs", epochs, "--steps", args.steps, "--tag", tag]
+    argv += ["--log-every", args.log_every]
+    done = torchrun(1, "scripts.harness.trainer", argv, args.timeout, sys.stdout)
+    ended.append(time.time())
     status = "timed out" if done.code is None else f"exited {done.code}"
-    print(f"{level} seed {seed}: {status} after {done.seconds:.0f} s", flush=True)
-    return "" if done.code == 0 else f"{level} seed {seed} {status}:\n{tail(done.err)}"
+    total, minutes = args.seeds * len(LEVELS), (ended[-1] - args.started) / 60
+    left = minutes * (total - len(ended)) / len(ended)
+    count = f"{len(ended)} of {total} launches ended"
+    print(f"{tag}: {status}; {count} in {minutes:.1f} min, about {left:.0f} min left", flush=True)
+    return "" if done.code == 0 else f"{tag} {status}:\n{tail(done.err)}"
 
 
 def main(argv=None) -> int:
     """Train every run, then write the table, the summary, the figure and the JSON line."""
-    args, started = parse_args(argv), time.time()
+    args = parse_args(argv)
+    args.started = started = time.time()
     shutil.rmtree(args.out, ignore_errors=True)  # never report a previous study's numbers
     labels = {v.name: v.label for v in all_variants()}
     jobs = [(level, seed) for level in LEVELS for seed in range(args.seeds)]
     print(f"{len(jobs)} launches of {len(labels)} variants -> {args.out}", flush=True)
     with ThreadPoolExecutor(args.workers) as pool:
-        failures = [f for f in pool.map(lambda job: launch(args, labels, *job), jobs) if f]
+        ended: list = []
+        failures = [f for f in pool.map(lambda job: launch(args, labels, job, ended), jobs) if f]
     runs: dict = {level: {name: [] for name in labels} for level in LEVELS}
     for level, seed in jobs:
         for name in labels:
@@ -85,7 +99,7 @@ def main(argv=None) -> int:
         "seeds, mean ± std; near_on_policy: rollout policy current, 1 epoch; stale: 2 steps "
         "behind, 2 epochs"
     )
-    docs = None if args.quick or args.no_docs else f"experiment_report_{args.task}.png"
+    docs = f"experiment_report_{args.task}.png" if args.update_docs else None
     report.plot(runs, labels, args.out / "report.png", title, docs)
     print(text)
     keys = ("final_reward", "final_entropy", "moved_share", "collapsed_runs")

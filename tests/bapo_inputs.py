@@ -2,12 +2,11 @@
 
 import torch
 
+from scripts.harness.cases import RANGE_ARGS  # noqa: F401  (the six range arguments, in order)
+
 PAPER_START = (0.6, 1.2)  # (a-, a+) of the default, paper Sec. 5.1 grid
 PAPER_MAX = (0.9, 3.0)  # (b-, b+)
 PAPER_STEPS = 36 + 15  # (3.0 - 1.2) / 0.05 upper steps, then (0.9 - 0.6) / 0.02 lower steps
-RANGE_ARGS = [
-    f"ratio_{side}_{part}" for side in ("lower", "upper") for part in ("start", "max", "step")
-]
 # The metrics BAPO documents: its own, then PPOPolicyLossFn's
 BAPO_METRICS = [f"bapo_{k}" for k in ("clip_low", "clip_high", "positive_contribution")]
 BAPO_METRICS += [f"bapo_{k}" for k in ("target_met", "search_steps", "nonfinite_tokens")]

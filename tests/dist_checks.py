@@ -15,10 +15,7 @@ import torch.distributed as dist
 
 from scripts.harness.cases import PAPER
 from scripts.harness.dp_worker import call_bapo, counted_call
-from scripts.harness.variants import loss_config
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
-
-PROMPT_WIDTH = 4
 
 # Search settings exercised by every check: both orders x both contribution definitions, on the
 # paper's grid and on the authors' grids (their yaml, and their run script whose 0.95 / 2.0
@@ -149,54 +146,6 @@ def check_oracle(ctx):
         runs = {}
         for name, loss_fn in losses.items():
             runs[name] = call_bapo(ctx, loss_fn, data, dist.group.WORLD)
-        out[case] = {"data": case_to_lists(data), "runs": runs}
-    return out
-
-
-def verl_micro_batch(ctx, data, case):
-    """(model_output, data) as verl 0.8's engine hands them to the loss for one micro-batch.
-
-    Left-padded prompts and right-padded responses, laid out by Trinity's own
-    ``left_right_2_no_padding``; the model's log-probs flat over the attended tokens, shifted by
-    one as the engine rolls them (response token k's log-prob sits at prompt_len + k - 1).
-    """
-    from scripts.harness.engine import trinity_layout
-
-    gen = torch.Generator().manual_seed(_case_seed(ctx.seed, case, ctx.rank) + 7)
-    rows, width = data["mask"].shape
-    prompt_len = torch.randint(1, PROMPT_WIDTH + 1, (rows,), generator=gen)
-    prompt_mask = (torch.arange(PROMPT_WIDTH) >= PROMPT_WIDTH - prompt_len[:, None]).long()
-    inside = (torch.arange(width) < data["response_len"][:, None]).long()
-    ids = torch.randint(1, 100, (rows, PROMPT_WIDTH + width), generator=gen)
-    prompts, responses = ids[:, :PROMPT_WIDTH] * prompt_mask, ids[:, PROMPT_WIDTH:] * inside
-    batch = trinity_layout(
-        prompts, prompt_mask, responses, inside, data["old_logprob"], data["advantages"]
-    )
-    batch["response_mask"] = data["mask"]  # some tokens inside a response are masked out
-    offsets = batch["input_ids"].offsets()
-    flat = torch.full((int(offsets[-1]),), -0.5)  # prompt positions: never read by the loss
-    for i in range(rows):
-        end, length = int(offsets[i + 1]), int(data["response_len"][i])
-        flat[end - length - 1 : end - 1] = data["logprob"][i, :length]
-    log_probs = torch.nested.nested_tensor_from_jagged(flat, offsets=offsets)
-    return {"log_probs": log_probs.to(ctx.device)}, batch.to(ctx.device)
-
-
-def check_trinity(ctx):
-    """Every case x config through TrinityPolicyLoss with the engine's (model_output, data)."""
-    from trinity.trainer.verl.losses import TrinityPolicyLoss
-
-    losses = {name: TrinityPolicyLoss(loss_config("bapo", loss_kwargs(name))) for name in CONFIGS}
-    out = {}
-    for case in CASES:
-        data = make_case(case, ctx.rank, ctx.world, ctx.seed)
-        model_output, batch = verl_micro_batch(ctx, data, case)
-        runs = {}
-        for name, loss_fn in losses.items():
-            group = dist.group.WORLD
-            runs[name] = counted_call(
-                loss_fn, model_output=model_output, data=batch, dp_group=group
-            )[1]
         out[case] = {"data": case_to_lists(data), "runs": runs}
     return out
 

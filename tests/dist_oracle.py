@@ -12,6 +12,7 @@ import torch
 
 import bapo_reference as ref
 import dist_checks as common
+from scripts.harness.cases import RANGE_ARGS
 
 
 def tokens_of(data):
@@ -34,11 +35,7 @@ def union_tokens(datas):
 def _search(tokens, name):
     kw = common.loss_kwargs(name)
     search = ref.algorithm1 if kw["search_order"] == "upper_first" else ref.authors_order
-    grid = [
-        kw[f"ratio_{side}_{part}"]
-        for side in ("lower", "upper")
-        for part in ("start", "max", "step")
-    ]
+    grid = [kw[name] for name in RANGE_ARGS]
     return search(
         tokens, *grid, kw["positive_contribution_target"], kw["contribution"], kw["clip_ratio_c"]
     )
@@ -58,14 +55,14 @@ def reference_token_mean(data, name, low, high):
     return float(losses[mask].mean())
 
 
-def got_choice(metrics, prefix=""):
+def got_choice(metrics):
     """Return (c_low, c_high, steps) from a rank's metrics."""
     keys = ("bapo_clip_low", "bapo_clip_high", "bapo_search_steps")
-    low, high, steps = (metrics[prefix + key] for key in keys)
+    low, high, steps = (metrics[key] for key in keys)
     return low, high, int(steps)
 
 
-def compare_to_union(results, datas, name, prefix=""):
+def compare_to_union(results, datas, name):
     """Mismatches of every rank's choice, rho and loss against the union oracle (empty: all ok)."""
     union = union_tokens(datas)
     want = oracle(union, name)
@@ -74,15 +71,13 @@ def compare_to_union(results, datas, name, prefix=""):
     problems = []
     for rank, (metrics, data) in enumerate(zip(results, datas)):
         where = f"{name} rank {rank}"
-        if got_choice(metrics, prefix) != want:
-            problems.append(f"{where}: {got_choice(metrics, prefix)} != union oracle {want}")
-        rho = metrics[prefix + "bapo_positive_contribution"]
+        if got_choice(metrics) != want:
+            problems.append(f"{where}: {got_choice(metrics)} != union oracle {want}")
+        rho = metrics["bapo_positive_contribution"]
         if not math.isclose(rho, want_rho, rel_tol=1e-5, abs_tol=1e-9):
             problems.append(f"{where}: rho {rho} != global rho {want_rho}")
         if any(map(any, data["mask"])):  # the loss used the synced pair on local tokens
-            loss, want_loss = metrics[prefix + "pg_loss"], reference_token_mean(
-                data, name, *want[:2]
-            )
+            loss, want_loss = metrics["pg_loss"], reference_token_mean(data, name, *want[:2])
             if not math.isclose(loss, want_loss, rel_tol=1e-4, abs_tol=1e-6):
                 problems.append(f"{where}: pg_loss {loss} != {want_loss} at the union pair")
     return problems

@@ -15,16 +15,11 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
 
 from dist_checks import loss_kwargs
-from scripts.harness.engine import (
-    build_engine,
-    cpu_stand_ins,
-    engine_batch,
-    group_ranks,
-    trinity_layout,
-)
+from scripts.harness.engine import build_engine, cpu_stand_ins, engine_batch, trinity_layout
 from scripts.harness.model import build_model, save_model
 from scripts.harness.recorder import LossRecorder
 from scripts.harness.tasks import VOCAB_SIZE
@@ -82,7 +77,7 @@ def run_phase(engine, phase: str, options: dict, dp_rank: int) -> dict:
     loss = loss_class(released and options["released_losses"])(
         loss_config("bapo", loss_kwargs(name, sync_across_dp=sync))
     )
-    recorder = LossRecorder.install(loss, engine.get_data_parallel_group(), keep_inputs=True)
+    recorder = LossRecorder(loss, engine.get_data_parallel_group(), keep_inputs=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(STEPS):
@@ -103,7 +98,10 @@ def check_engine(ctx) -> dict:
     engine = build_engine(model_dir, options["strategy"], sp_size=int(options["sp"]))
     dp_rank = engine.get_data_parallel_rank()
     phases = {p: run_phase(engine, p, options, dp_rank) for p in options["phases"].split(",")}
-    return {"engine_group": group_ranks(engine.get_data_parallel_group()), "phases": phases}
+    return {
+        "engine_group": dist.get_process_group_ranks(engine.get_data_parallel_group()),
+        "phases": phases,
+    }
 
 
 def trainer_batch(rank: int, config) -> TensorDict:
@@ -138,14 +136,14 @@ def check_worker(ctx) -> dict:
     worker.init_model()
     worker.set_trinity_config(config.algorithm, rollout_engine_type="vllm", ray_namespace="")
     loss = worker.actor.loss_fn
-    recorder = LossRecorder.install(loss)
+    recorder = LossRecorder(loss)
     data = trainer_batch(ctx.rank, config)
     # the micro-batches this rank's tokens need alone, as verl's dynamic batching counts them
     tokens = int(data["attention_mask"].sum())
     own_count = min(len(data), math.ceil(tokens / (config.trainer.max_token_len_per_gpu or tokens)))
     metrics = worker.update_actor(data).get_non_tensor("metrics")
     return {
-        "engine_group": group_ranks(worker.actor.engine.get_data_parallel_group()),
+        "engine_group": dist.get_process_group_ranks(worker.actor.engine.get_data_parallel_group()),
         "loss_class": type(loss).__name__,
         "sync_across_dp": recorder.sync_across_dp,
         "calls": recorder.calls,

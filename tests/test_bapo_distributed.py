@@ -15,9 +15,10 @@ import torch
 import bapo_reference as ref
 import dist_checks as common
 from dist_oracle import compare_to_union, got_choice, locals_differ, oracle, tokens_of, union_tokens
+from scripts.harness.cases import RANGE_ARGS
 from scripts.harness.launch import tail, torchrun
 
-BASE_CHECKS = ["group_none", "oracle", "trinity", "sync_off", "nonfinite", "gradient"]
+BASE_CHECKS = ["group_none", "oracle", "sync_off", "nonfinite", "gradient"]
 BASE_CHECKS += ["mismatch", "failure", "copies"]
 CHECKS_BY_WORLD = {
     2: BASE_CHECKS + ["groups"],
@@ -37,10 +38,8 @@ def values_per_call(name):
     Candidates are start + k step <= maximum, plus the capped maximum in the authors' order.
     """
     kw, count = common.loss_kwargs(name), FRAME
-    for side in ("lower", "upper"):
-        a, b, d = (
-            Fraction(repr(float(kw[f"ratio_{side}_{part}"]))) for part in ("start", "max", "step")
-        )
+    for names in (RANGE_ARGS[:3], RANGE_ARGS[3:]):  # the lower range, then the upper one
+        a, b, d = (Fraction(repr(float(kw[key]))) for key in names)
         steps = math.floor((b - a) / d) + 1 if a != b else 1
         count += steps + int(kw["search_order"] == "lower_first" and a + (steps - 1) * d < b)
     return count
@@ -96,14 +95,14 @@ def test_launch_ends_cleanly(launches, world, backend):
     assert all(list(r["checks"]) == CHECKS_BY_WORLD[world] for r in records)
 
 
-def union_problems(result, prefix=""):
+def union_problems(result):
     """Every case x config of one check, each rank's metrics against the union oracle."""
     problems = []
     for case in common.CASES:
         datas = [rank_result[case]["data"] for rank_result in result]
         for name in common.CONFIGS:
             metrics = [rank_result[case]["runs"][name]["metrics"] for rank_result in result]
-            problems += [f"{case}: {p}" for p in compare_to_union(metrics, datas, name, prefix)]
+            problems += [f"{case}: {p}" for p in compare_to_union(metrics, datas, name)]
     return problems
 
 
@@ -125,26 +124,16 @@ def test_every_rank_chooses_the_union_pair(launches, world, backend):
 
 @with_backend
 @pytest.mark.parametrize("world", WORLDS)
-def test_trinity_policy_loss_forwards_the_group(launches, world, backend):
-    """Call TrinityPolicyLoss on the engine's (model_output, data) layout, group forwarded."""
-    problems = union_problems(results(launches, world, backend, "trinity"), "actor/")
-    assert not problems, "\n".join(problems)
-
-
-@with_backend
-@pytest.mark.parametrize("world", WORLDS)
 def test_one_all_reduce_per_synced_call(launches, world, backend):
     """Each synced call is one all_reduce; where the group's length changes, one more.
 
     The all-reduce carries the header and the candidates' sums; the length changes at a
-    group's first call and at another grid. Direct calls and calls through Trinity reuse one
-    loss per config over the cases.
+    group's first call and at another grid. One loss per config serves every case in turn.
     """
     problems = []
-    for check in ("oracle", "trinity"):
-        for rank, rank_result in enumerate(results(launches, world, backend, check)):
-            runs = [(n, r) for case in common.CASES for n, r in rank_result[case]["runs"].items()]
-            problems += collective_problems(runs, f"{check} rank {rank}")
+    for rank, rank_result in enumerate(results(launches, world, backend, "oracle")):
+        runs = [(n, r) for case in common.CASES for n, r in rank_result[case]["runs"].items()]
+        problems += collective_problems(runs, f"oracle rank {rank}")
     for rank, rank_result in enumerate(results(launches, world, backend, "nonfinite")):
         problems += collective_problems(rank_result["runs"].items(), f"nonfinite rank {rank}")
     for rank, rank_result in enumerate(results(launches, world, backend, "gradient")):
@@ -359,53 +348,31 @@ def union_gradient(result, name):
     return (low, high), [g * int(mask.sum()) / max(n, 1) for g, n in zip(parts, counts)]
 
 
-def gradient_gaps(result, name, mode):
-    """Per rank, the largest gap between its gradient and its share of the union's."""
-    _, want = union_gradient(result, name)
-    got = [
-        torch.tensor(r["runs"][name][mode]["grad"], dtype=torch.float64).reshape(-1) for r in result
-    ]
-    return [float((g - w).abs().max()) for g, w in zip(got, want)], max(
-        float(w.abs().max()) for w in want
-    )
-
-
 @with_backend
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("name", common.GRADIENT_CONFIGS)
 def test_gradient_with_sync_equals_union_gradient(launches, world, backend, name):
     result = results(launches, world, backend, "gradient")
-    pair, _ = union_gradient(result, name)
-    gaps, scale = gradient_gaps(result, name, "sync")
-    for rank, rank_result in enumerate(result):
-        assert got_choice(rank_result["runs"][name]["sync"]["metrics"])[:2] == pair, rank
-        assert gaps[rank] < 1e-12 * scale, f"rank {rank}: gradient {gaps[rank]:.3g} off the union's"
-
-
-@with_backend
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("name", common.GRADIENT_CONFIGS)
-def test_gradient_without_sync_differs(launches, world, backend, name):
-    result = results(launches, world, backend, "gradient")
-    pairs = {got_choice(r["runs"][name]["nosync"]["metrics"])[:2] for r in result}
-    assert len(pairs) > 1, f"ranks agree without sync: {pairs}"
-    gaps, scale = gradient_gaps(result, name, "nosync")
-    assert max(gaps) > 1e-3 * scale, f"unsynced gradients within {max(gaps):.3g} of the union's"
+    pair, want = union_gradient(result, name)
+    scale = max(float(w.abs().max()) for w in want)
+    for rank, (rank_result, share) in enumerate(zip(result, want)):
+        run = rank_result["runs"][name]["sync"]
+        assert got_choice(run["metrics"])[:2] == pair, rank
+        gap = float(
+            (torch.tensor(run["grad"], dtype=torch.float64).reshape(-1) - share).abs().max()
+        )
+        assert gap < 1e-12 * scale, f"rank {rank}: gradient {gap:.3g} off the union's"
 
 
 def test_by_hand_check_two_ranks():
     """The DP worker's by-hand mode with 2 ranks and 2 calls: exits 0 and reports agreement.
 
     Rank 0's batch is balanced and rank 1's mostly negative, so alone they choose different
-    pairs: agreement on every call needs the all-reduce, and the same run with ``--no-sync``
-    must report disagreement.
+    pairs: agreement on every call needs the all-reduce.
     """
-    lines = {}
-    for flags in ([], ["--no-sync"]):
-        code, out, err, seconds = torchrun(
-            2, "scripts.harness.dp_worker", ["by-hand", "--calls", "2", *flags], 150
-        )
-        assert code == 0, f"exit {code} after {seconds:.0f} s\n{tail(out)}\n{tail(err)}"
-        lines[bool(flags)] = [line for line in out.splitlines() if line.startswith("call ")]
-    assert len(lines[False]) == 2 and all(line.endswith("agree: yes") for line in lines[False])
-    assert any(line.endswith("agree: NO") for line in lines[True]), lines[True]
+    code, out, err, seconds = torchrun(
+        2, "scripts.harness.dp_worker", ["by-hand", "--calls", "2"], 150
+    )
+    assert code == 0, f"exit {code} after {seconds:.0f} s\n{tail(out)}\n{tail(err)}"
+    lines = [line for line in out.splitlines() if line.startswith("call ")]
+    assert len(lines) == 2 and all(line.endswith("agree: yes") for line in lines), lines

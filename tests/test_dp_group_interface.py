@@ -4,9 +4,11 @@ verl 0.8's engine calls `loss_fn(model_output, data, dp_group=...)`; the patched
 `TrinityPolicyLoss` forwards it, and the patched metaclass hands it only to losses that declare
 it in `_runtime_keys`; it is never a data key. So every registered loss gives the same loss,
 gradient and metrics with and without a group, and as called directly on padded tensors (the
-pre-patch behaviour); and a loss that asks for the group gets the very object the engine passed.
-The batch is the engine's: a `TensorDict`, the log-probs flat over each sequence (response token
-j of a sequence with prompt length p at p - 1 + j, the rule the oracle uses directly).
+pre-patch behaviour); a loss that declares another runtime key gets that key, never the group.
+That the group itself reaches BAPO, and subclasses, the pull request's own tests show
+(tests/algorithm/bapo_data_parallel_test.py). The batch is the engine's: a `TensorDict`, the
+log-probs flat over each sequence (response token j of a sequence with prompt length p at
+p - 1 + j, the rule the oracle uses directly).
 """
 
 from datetime import timedelta
@@ -19,7 +21,6 @@ from tensordict import TensorDict
 
 from scripts.harness.engine import trinity_layout
 from trinity.algorithm import ENTROPY_LOSS_FN, KL_FN, POLICY_LOSS_FN
-from trinity.algorithm.policy_loss_fn.bapo_sync import ContributionSync
 from trinity.algorithm.policy_loss_fn.policy_loss_fn import PolicyLossFn
 from trinity.common.config import AlgorithmConfig
 from trinity.trainer.verl.losses import TrinityPolicyLoss
@@ -276,21 +277,6 @@ def engine_loss_with(policy_loss) -> TrinityPolicyLoss:
     return engine_loss
 
 
-def test_declared_dp_group_is_the_object_passed(dp_group):
-    src = _source()
-    recorder = recording_loss({"dp_group"})
-    assert recorder.select_keys == ["old_log_probs", "response_mask", "advantages"]
-    engine_loss = engine_loss_with(recorder)
-
-    engine_loss(model_output(src)[0], build_batch(src, "padded"), dp_group=dp_group)
-    engine_loss(model_output(src)[0], build_batch(src, "jagged"), dp_group)  # positional
-    engine_loss(model_output(src)[0], build_batch(src, "padded"))  # engine without a group
-    assert len(recorder.calls) == 3
-    assert recorder.calls[0]["dp_group"] is dp_group
-    assert recorder.calls[1]["dp_group"] is dp_group
-    assert recorder.calls == [{"dp_group": dp_group}] * 2 + [{"dp_group": None}]
-
-
 @pytest.mark.parametrize("runtime_keys", [(), ("batch_num_tokens",)])
 def test_undeclared_dp_group_is_not_passed(dp_group, runtime_keys):
     """A loss that does not declare dp_group never sees it; what it declares, it gets.
@@ -311,21 +297,3 @@ def test_undeclared_dp_group_is_not_passed(dp_group, runtime_keys):
         batch_num_tokens=7,
     )
     assert recorder.calls == [{}, {"batch_num_tokens": 7} if runtime_keys else {}]
-
-
-def test_bapo_search_reduces_over_the_passed_group(dp_group, monkeypatch):
-    """BAPO hands the group it receives to its reduction, unchanged."""
-    seen = []
-    real_group_for = ContributionSync.group_for
-
-    def spy(self, group):
-        seen.append((group, self.enabled))
-        return real_group_for(self, group)
-
-    monkeypatch.setattr(ContributionSync, "group_for", spy)
-    src = _source()
-    through_engine_loss("bapo", src, "padded", dp_group=dp_group)
-    through_engine_loss("bapo", src, "padded")
-    assert len(seen) == 2
-    assert seen[0][0] is dp_group and seen[0][1] is True
-    assert seen[1][0] is None

@@ -38,15 +38,27 @@ def all_finite(value) -> bool:
     return not isinstance(value, float) or math.isfinite(value)
 
 
+def docs_files() -> dict:
+    """Each file under docs/ with its size and modification time."""
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in (REPO / "docs").rglob("*")}
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo")
-    done = run_module("scripts.demo", "--steps", DEMO_STEPS, "--out", out, "--no-docs")
-    return out, last_json(done)
+    out, before = tmp_path_factory.mktemp("demo"), docs_files()
+    done = run_module("scripts.demo", "--steps", DEMO_STEPS, "--out", out)
+    return out, last_json(done), before == docs_files(), done.stdout
+
+
+def test_demo_writes_only_its_out_folder_and_reports_progress(demo):
+    _, _, docs_untouched, stdout = demo
+    assert docs_untouched, "the demo changed docs/ without --update-docs"
+    for name in ("ppo_clip_higher", "bapo_paper"):
+        assert f"[{name}] step 1/{DEMO_STEPS}  reward" in stdout, stdout[-2000:]
 
 
 def test_demo_trains_both_variants_through_the_engine_with_agreeing_ranks(demo):
-    out, result = demo
+    out, result, _, _ = demo
     assert result["ranks_agree"] is True and result["dp_group_forwarded"] is True
     assert all_finite(result) and (out / "report.png").stat().st_size > 10_000
     for name in ("ppo_clip_higher", "bapo_paper"):
@@ -60,7 +72,7 @@ def test_demo_trains_both_variants_through_the_engine_with_agreeing_ranks(demo):
 
 
 def test_demo_bapo_stays_in_the_paper_ranges_and_ppo_is_fixed(demo):
-    out, _ = demo
+    out, _, _, _ = demo
     bapo = report.load_rows(out / "bapo_paper" / "metrics.jsonl")
     ppo = report.load_rows(out / "ppo_clip_higher" / "metrics.jsonl")
     assert bapo[0]["rollout_reward"] == ppo[0]["rollout_reward"]  # same seeds, same rollout
@@ -71,8 +83,18 @@ def test_demo_bapo_stays_in_the_paper_ranges_and_ppo_is_fixed(demo):
 
 
 def test_quick_study_trains_every_run_and_writes_its_reports(tmp_path):
-    result = last_json(run_module("scripts.experiment", "--quick", "--out", tmp_path))
+    before = docs_files()
+    done = run_module("scripts.experiment", "--quick", "--out", tmp_path)
+    result = last_json(done)
+    assert before == docs_files(), "the study changed docs/ without --update-docs"
     assert result["runs_finished"] == 6 * 2 * 2 and all_finite(result)
+    # every launch reports each run's first and last step, and the study each launch's end
+    launches = [f"{level}/seed{seed}" for level in ("near_on_policy", "stale") for seed in (0, 1)]
+    for tag in launches:
+        for name in ("ppo", "bapo_paper", "bapo_authors"):
+            for step in (1, result["steps"]):
+                assert f"[{tag} {name}] step {step}/{result['steps']}  " in done.stdout, tag
+    assert done.stdout.count(" launches ended in ") == len(launches)
     for name in ("table.md", "summary.json", "report.png"):
         assert (tmp_path / name).stat().st_size > 0
     paths = list(tmp_path.glob("*/seed*/*/metrics.jsonl"))
@@ -91,15 +113,37 @@ def bench():
     return done, last_json(done)
 
 
-def test_bench_prints_every_figure_with_a_verdict(bench):
-    done, result = bench
-    from scripts.bench import TARGETS
+@pytest.mark.parametrize(
+    "key, value, want",
+    [
+        ("bapo_over_ppo_loss", 1.9, "PASS"),  # goal 2.0, hard limit 3.0, lower is better
+        ("bapo_over_ppo_loss", 2.5, "MISS (within the hard limit)"),
+        ("bapo_over_ppo_loss", 3.1, "MISS (past the hard limit)"),
+        ("speedup_vs_literal_loop", 3.5, "PASS"),  # goal 3.0, hard limit 2.0, higher is better
+        ("speedup_vs_literal_loop", 2.5, "MISS (within the hard limit)"),
+        ("speedup_vs_literal_loop", 1.5, "MISS (past the hard limit)"),
+        ("collectives_per_call", 1, "PASS"),  # must equal 1
+        ("collectives_per_call", 2, "MISS"),
+        ("collectives_per_call", None, "MISS"),  # not measured
+    ],
+)
+def test_bench_verdict_hand_examples(key, value, want):
+    from scripts.bench import verdict
 
-    for key in TARGETS:
-        assert isinstance(result[key], (int, float)) and math.isfinite(result[key]), key
+    assert verdict(key, value) == want
+
+
+def test_bench_prints_every_figure_with_the_verdict_of_its_value(bench):
+    done, result = bench
+    from scripts.bench import TARGETS, verdict
+
     assert result["errors"] == {}
     summary = done.stdout.split("## Summary", 1)[1].splitlines()[1 : 1 + len(TARGETS)]
-    assert all(("PASS" in line or "MISS" in line) for line in summary), summary
+    for line, (key, (label, _, _, _)) in zip(summary, TARGETS.items()):
+        value = result[key]
+        assert isinstance(value, (int, float)) and math.isfinite(value), key
+        assert line.split()[: len(label.split())] == label.split(), line
+        assert line.endswith(verdict(key, value)) and f"{value:.2f}" in line, line
     if not torch.cuda.is_available():
         assert "## CUDA: skipped, no CUDA device" in done.stdout
 
@@ -117,7 +161,7 @@ def test_bench_dp_call_is_one_all_reduce_of_header_and_candidates(bench):
 
 @pytest.mark.parametrize("seed,negative_share", [(0, 0.85), (1, 0.5), (2, 0.2)])
 def test_bench_baseline_walks_algorithm1(seed, negative_share):
-    from scripts.bench import literal_search
+    from scripts.harness.cases import literal_search
 
     batch = bench_batch((4, 128), seed=seed, negative_share=negative_share)
     tokens = ref.token_lists(

@@ -13,6 +13,7 @@ import pytest
 
 import algorithm.bapo_policy_loss_test as upstream
 import bapo_reference as ref
+from scripts.harness.cases import RANGE_ARGS
 from trinity.algorithm.policy_loss_fn import POLICY_LOSS_FN
 
 
@@ -38,7 +39,7 @@ def oracle(case, shift, overrides):
     adv = batch["advantages"] + shift
     tokens = ref.token_lists(case.logprob, batch["old_log_probs"], batch["response_mask"], adv)
     search = ref.algorithm1 if args["search_order"] == "upper_first" else ref.authors_order
-    grid = [args[f"ratio_{s}_{p}"] for s in ("lower", "upper") for p in ("start", "max", "step")]
+    grid = [args[name] for name in RANGE_ARGS]
     rule = (args["contribution"], args["clip_ratio_c"])
     low, high, steps = search(tokens, *grid, args["positive_contribution_target"], *rule)
     losses, clipped, dual = [], 0, 0

@@ -1,5 +1,11 @@
-"""The paper's grid and a micro-batch on which its target is never met (bench, DP worker, tests)."""
+"""The paper's grid, a micro-batch that never meets it, and Eq. 8 at one pair (bench, trainer).
 
+``surrogate_sums`` and the per-candidate search built on it are the baseline the bench times
+BAPO's one-pass search against, and the rho the trainer logs for fixed-clip variants. The test
+oracle (tests/bapo_reference.py) is written apart from both.
+"""
+
+from fractions import Fraction
 from typing import Any, Dict, Tuple
 
 import torch
@@ -8,7 +14,9 @@ from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 
 # The paper's Sec. 5.1 grid and target, BAPO's defaults (tests/test_bapo_config.py checks them)
 PAPER: Dict[str, Any] = BAPOPolicyLossFn.default_args()
-PAPER_PATH_STEPS = 51  # (37 - 1) upper + (16 - 1) lower steps when the target is never met
+RANGE_ARGS = [
+    f"ratio_{side}_{part}" for side in ("lower", "upper") for part in ("start", "max", "step")
+]
 
 
 def bench_batch(
@@ -35,3 +43,38 @@ def search_inputs(batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, ...]:
     ratio = torch.exp(torch.clamp(raw, min=-20.0, max=20.0))
     finite = torch.isfinite(raw + batch["advantages"])
     return ratio, batch["advantages"], batch["action_mask"], finite
+
+
+def surrogate_sums(ratio, advantages, mask, low: float, high: float) -> torch.Tensor:
+    """Eq. 8's (P, N) at one pair over the live tokens, in float64."""
+    ratio, advantages, live = ratio.double(), advantages.double(), mask.bool()
+    positive = (advantages * ratio.clamp(max=high))[(advantages > 0) & live].sum()
+    negative = (-advantages * ratio.clamp(min=low))[(advantages < 0) & live].sum()
+    return torch.stack([positive, negative])
+
+
+def literal_search(ratio, advantages, mask, grid: Dict, all_reduce=None):
+    """The baseline: Algorithm 1 recomputing rho from the tokens at every pair it visits.
+
+    Exact rational bounds, so it visits ``BoundSearch``'s pairs, with one host sync and (given
+    ``all_reduce``) one collective per pair. Returns (low, high, steps).
+    """
+    c_low, b_low, d_low, c_high, b_high, d_high = (
+        Fraction(repr(float(grid[k]))) for k in RANGE_ARGS
+    )
+    steps, target = 0, grid["positive_contribution_target"]
+
+    def share() -> float:
+        pair = surrogate_sums(ratio, advantages, mask, float(c_low), float(c_high))
+        if all_reduce is not None:
+            all_reduce(pair)
+        positive, negative = pair.tolist()
+        return 1.0 if positive + negative == 0 else positive / (positive + negative)
+
+    while share() < target and c_low + d_low <= b_low:
+        if c_high + d_high <= b_high:
+            c_high += d_high
+        else:
+            c_low += d_low
+        steps += 1
+    return float(c_low), float(c_high), steps

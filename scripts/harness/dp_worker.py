@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from scripts.harness.cases import PAPER, bench_batch, search_inputs
+from scripts.harness.cases import PAPER, bench_batch, literal_search, search_inputs
 from scripts.harness.launch import write_record
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 
@@ -79,8 +79,8 @@ def call_bapo(ctx, loss_fn, data, group):
     return counted_call(loss_fn, **inputs, action_mask=data["mask"], dp_group=group)[1]
 
 
-def gather_rows(row: torch.Tensor):
-    """Every rank's ``row`` (a float64 vector of one length), as lists."""
+def gather_rows(row: torch.Tensor) -> list:
+    """Every rank's ``row`` (a vector of one length), as lists: the harness's one all-gather."""
     gathered = [torch.empty_like(row) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, row)
     return [g.tolist() for g in gathered]
@@ -92,8 +92,6 @@ def run_bench(args) -> int:
     A repeat makes calls back to back after a barrier, as a trainer calls the loss, and counts
     the slowest rank (a step waits for it); the figure is the median over repeats.
     """
-    from scripts.bench import literal_search
-
     rank, group = dist.get_rank(), dist.group.WORLD
     rows = max(1, args.tokens_per_rank // 1024)
     batch = bench_batch((rows, min(args.tokens_per_rank, 1024)), seed=1000 + rank)

@@ -6,10 +6,9 @@ The engine Trinity's actor trains with runs unchanged on CPU given gloo, eager a
 """
 
 from pathlib import Path
-from typing import Dict, Optional, cast
+from typing import Dict, cast
 
 import torch
-import torch.distributed as dist
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 
@@ -137,8 +136,3 @@ def full_state_dict(engine) -> Dict[str, torch.Tensor]:
     options = StateDictOptions(full_state_dict=True, cpu_offload=False)
     state = get_model_state_dict(engine.module, options=options)
     return {name: cast(torch.Tensor, value).detach().clone() for name, value in state.items()}
-
-
-def group_ranks(group: Optional[dist.ProcessGroup]):
-    """Global ranks of a process group (None: the loss got no group)."""
-    return None if group is None else dist.get_process_group_ranks(group)

@@ -1,6 +1,7 @@
 """The one torchrun launcher (``python -m <module>`` on N ranks, under a timeout), and rank files.
 
-On timeout the launch's whole process group is killed, so no worker outlives its caller.
+On timeout the launch's whole process group is killed, so no worker outlives its caller. Every
+launch runs with pinned numerics, so that a run gives the same figures on any x86-64 machine.
 """
 
 import json
@@ -13,6 +14,10 @@ from pathlib import Path
 from typing import List, NamedTuple, Optional
 
 REPO = Path(__file__).resolve().parents[2]
+# The same numbers on any x86-64 machine: ATen's portable kernels rather than those it picks by
+# CPU capability (AVX2, AVX512), MKL's reproducible code path, oneDNN held to SSE4.1.
+PINNED_NUMERICS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
+PINNED_NUMERICS["ONEDNN_MAX_CPU_ISA"] = "SSE41"
 
 
 class Launch(NamedTuple):
@@ -31,7 +36,8 @@ def torchrun(nproc: int, module: str, argv, timeout_s: float, stdout=None, path=
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={nproc}", "-m", module, *map(str, argv)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, **PINNED_NUMERICS, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env["HF_HUB_OFFLINE"] = "1"
     if path is not None:
         env["PYTHONPATH"] = str(path)
     started = time.monotonic()

@@ -18,13 +18,11 @@ def build_model(seed: int, hidden: int = 64) -> LlamaForCausalLM:
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=4,  # as many key-value heads, and untied embeddings: the defaults
         max_position_embeddings=MAX_POSITIONS,
         pad_token_id=PAD,
         bos_token_id=None,
         eos_token_id=EOS,
-        tie_word_embeddings=False,
         attn_implementation="eager",  # type: ignore[call-arg]  # taken through **kwargs
     )
     torch.manual_seed(seed)

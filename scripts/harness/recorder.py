@@ -4,27 +4,18 @@ Each call goes to the real loss unchanged; the recorder notes the group, the met
 asked, the inputs (for a driver's oracle). Every other attribute is the real loss's.
 """
 
-from typing import Dict, List
-
 import torch
-
-from scripts.harness.engine import group_ranks
+import torch.distributed as dist
 
 
 class LossRecorder:
-    """Records each policy-loss call; ``install`` puts one into a ``TrinityPolicyLoss``."""
+    """Records each policy-loss call, in the place of a ``TrinityPolicyLoss``'s policy loss."""
 
-    def __init__(self, inner, engine_group=None, keep_inputs: bool = False):
-        """Wrap ``inner``; ``engine_group`` is what a call should receive."""
-        self._inner, self.engine_group, self.keep_inputs = inner, engine_group, keep_inputs
-        self.calls: List[Dict] = []
-
-    @classmethod
-    def install(cls, trinity_loss, engine_group=None, keep_inputs: bool = False) -> "LossRecorder":
-        """Replace ``trinity_loss.policy_loss_fn`` by a recorder around it; return the recorder."""
-        recorder = cls(trinity_loss.policy_loss_fn, engine_group, keep_inputs)
-        trinity_loss.policy_loss_fn = recorder
-        return recorder
+    def __init__(self, trinity_loss, engine_group=None, keep_inputs: bool = False):
+        """Take the place of ``trinity_loss.policy_loss_fn``; ``engine_group`` is the expected."""
+        self._inner, self.engine_group = trinity_loss.policy_loss_fn, engine_group
+        self.keep_inputs, self.calls = keep_inputs, list[dict]()
+        trinity_loss.policy_loss_fn = self
 
     def __getattr__(self, name):
         """Everything else is the real loss's."""
@@ -39,7 +30,7 @@ class LossRecorder:
         """Run the real loss, then note its group, metrics and (if kept) inputs."""
         loss, metrics = self._inner(logprob=logprob, dp_group=dp_group, **kwargs)
         call = {
-            "group_ranks": group_ranks(dp_group),
+            "group_ranks": None if dp_group is None else dist.get_process_group_ranks(dp_group),
             "is_engine_group": dp_group is self.engine_group,
             "metrics": {key: float(value) for key, value in metrics.items()},
         }

@@ -22,6 +22,8 @@ from typing import Any, Dict, List, NamedTuple
 import torch
 import torch.distributed as dist
 
+from scripts.harness.cases import surrogate_sums
+from scripts.harness.dp_worker import gather_rows
 from scripts.harness.engine import build_engine, engine_batch, full_state_dict, trinity_layout
 from scripts.harness.model import build_model, sample_responses, save_model
 from scripts.harness.recorder import LossRecorder
@@ -80,16 +82,6 @@ def imbalance(rewards: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> D
     }
 
 
-def surrogate_sums(inputs: Dict, low: float, high: float) -> List[float]:
-    """Eq. 8's P and N at one pair, written here apart from the loss (a cross-check)."""
-    log_ratio = inputs["logprob"].double() - inputs["old_logprob"].double()
-    ratio, adv = log_ratio.clamp(-20, 20).exp(), inputs["advantages"].double()
-    live = inputs["mask"].bool()
-    p = (adv * ratio.clamp(max=high))[(adv > 0) & live].sum().item()
-    n = (-adv * ratio.clamp(min=low))[(adv < 0) & live].sum().item()
-    return [p, n]
-
-
 def call_figures(calls: List[Dict], run: Variant) -> Dict:
     """The calls' pairs, rho, moves, clip fraction; Eq. 8 on every rank's tokens as a cross-check.
 
@@ -98,9 +90,10 @@ def call_figures(calls: List[Dict], run: Variant) -> Dict:
     pairs = [list(run.start) for _ in calls]
     if run.loss == "bapo":
         pairs = [[c["metrics"]["bapo_clip_low"], c["metrics"]["bapo_clip_high"]] for c in calls]
-    sums = torch.tensor(
-        [surrogate_sums(c["inputs"], *pair) for c, pair in zip(calls, pairs)], dtype=torch.float64
-    )
+    inputs = [c["inputs"] for c in calls]
+    ratios = [(i["logprob"] - i["old_logprob"]).clamp(-20, 20).exp() for i in inputs]
+    parts = zip(ratios, inputs, pairs)
+    sums = torch.stack([surrogate_sums(r, i["advantages"], i["mask"], *p) for r, i, p in parts])
     dist.all_reduce(sums)
     eq8 = [1.0 if p + n == 0 else p / (p + n) for p, n in sums.tolist()]
     rho = [c["metrics"].get("bapo_positive_contribution", r) for c, r in zip(calls, eq8)]
@@ -115,10 +108,8 @@ def call_figures(calls: List[Dict], run: Variant) -> Dict:
 
 def ranks_agree(pairs: List[List[float]]) -> bool:
     """Whether every rank used the same pairs in the same order."""
-    mine = torch.tensor(pairs, dtype=torch.float64)
-    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    return all(torch.equal(g, mine) for g in gathered)
+    rows = gather_rows(torch.tensor(pairs, dtype=torch.float64).reshape(-1))
+    return all(row == rows[0] for row in rows)
 
 
 @torch.no_grad()
@@ -150,7 +141,25 @@ def fresh_engine(behaviour, setting: Setting, seed: int):
             shutil.rmtree(folder[0], ignore_errors=True)
 
 
-def train(run: Variant, seed: int, setting: Setting, out: Path, log_every: int = 0) -> None:
+class Progress(NamedTuple):
+    """Where a run sits in its launch: the tag of its lines, and the launch's steps and time."""
+
+    tag: str  # "" alone, "stale/seed0 " in a study
+    every: int  # steps between progress lines; 0 prints none
+    started: float
+    done_before: int  # steps of the launch's earlier runs
+    total: int
+
+    def line(self, run: str, step: int, steps: int, row: Dict) -> str:
+        """The step, the figures, the launch's minutes so far and an estimate of those left."""
+        minutes, done = (time.time() - self.started) / 60, self.done_before + step + 1
+        figures = "  ".join(f"{key} {row[key]:.3f}" for key in ("reward", "entropy", "rho"))
+        left = minutes * (self.total - done) / done
+        head = f"[{self.tag}{run}] step {step + 1}/{steps}"
+        return f"{head}  {figures}  agree {row['ranks_agree']}  {minutes:.1f} min, {left:.1f} left"
+
+
+def train(run: Variant, seed: int, setting: Setting, out: Path, progress: Progress) -> None:
     """Train one run on every rank of the default group; rank 0 writes ``out/metrics.jsonl``."""
     from trinity.trainer.verl.losses import TrinityPolicyLoss
 
@@ -159,7 +168,7 @@ def train(run: Variant, seed: int, setting: Setting, out: Path, log_every: int =
     current = copy.deepcopy(behaviour)  # the engine's latest weights, for evaluation
     engine = fresh_engine(behaviour, setting, seed)
     loss_fn = TrinityPolicyLoss(loss_config(run.loss, run.args))
-    recorder = LossRecorder.install(loss_fn, engine.get_data_parallel_group(), keep_inputs=True)
+    recorder = LossRecorder(loss_fn, engine.get_data_parallel_group(), keep_inputs=True)
     snapshots = deque([copy.deepcopy(behaviour.state_dict())], maxlen=setting.lag + 1)
     # this rank's streams: training prompts and samples, evaluation prompts and samples
     streams = ("prompts", "sample", "eval_prompts", "eval_sample")
@@ -199,11 +208,8 @@ def train(run: Variant, seed: int, setting: Setting, out: Path, log_every: int =
         if rank == 0:
             with open(out / "metrics.jsonl", "a") as sink:
                 sink.write(json.dumps(row) + "\n")
-            if log_every and (step % log_every == 0 or step == setting.steps - 1):
-                figures = "  ".join(f"{key} {row[key]:.3f}" for key in ("reward", "entropy", "rho"))
-                print(
-                    f"[{run.name}] step {step}  {figures}  agree {row['ranks_agree']}", flush=True
-                )
+            if progress.every and (step % progress.every == 0 or step == setting.steps - 1):
+                print(progress.line(run.name, step, setting.steps, row), flush=True)
 
 
 def main(argv=None) -> int:
@@ -212,7 +218,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="ppo_clip_higher,bapo_paper")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
+    p.add_argument("--tag", default="", help="names the launch in its progress lines")
     p.add_argument("--no-sync", action="store_true", help="BAPO with sync_across_dp: false")
     for field, value in Setting()._asdict().items():
         p.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
@@ -223,10 +230,14 @@ def main(argv=None) -> int:
     warnings.filterwarnings("error", message="BAPO: sync_across_dp is on")
     warnings.filterwarnings("ignore", category=UserWarning)
     dist.init_process_group("gloo")
+    names, started = args.variants.split(","), time.time()
+    tag = f"{args.tag} " if args.tag else ""
     try:
-        for name in args.variants.split(","):
+        for index, name in enumerate(names):
             overrides = {"sync_across_dp": False} if args.no_sync and "bapo" in name else {}
-            train(variant(name, **overrides), args.seed, setting, args.out / name, args.log_every)
+            steps = setting.steps
+            progress = Progress(tag, args.log_every, started, index * steps, len(names) * steps)
+            train(variant(name, **overrides), args.seed, setting, args.out / name, progress)
             dist.barrier()
     finally:
         dist.destroy_process_group()

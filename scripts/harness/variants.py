@@ -34,26 +34,18 @@ def all_variants() -> List[Variant]:
 
     authors = dict(search_order="lower_first", positive_contribution_target=0.5)
     authors.update(ratio_lower_max=0.8, ratio_lower_step=0.05, ratio_upper_max=2.0)
+    fixed = dict(ratio_lower_max=0.6, ratio_upper_max=1.2)
     bapo: List[Tuple[str, str, Dict]] = [
-        (
-            "bapo_fixed_start",
-            "ablation: BAPO start pair fixed (0.6, 1.2)",
-            dict(ratio_lower_max=0.6, ratio_upper_max=1.2),
-        ),
+        ("bapo_fixed_start", "ablation: BAPO start pair fixed (0.6, 1.2)", fixed),
         ("bapo_paper", "BAPO, paper defaults", {}),
         ("bapo_gradient", "BAPO, contribution: gradient", dict(contribution="gradient")),
         ("bapo_authors", "BAPO, authors' settings", authors),
     ]
     ppo = dict(clip_range_low=0.2, clip_range_high=0.2)
+    higher = dict(ppo, clip_range_high=0.28)
     return [
         Variant("ppo", "PPO (0.8, 1.2)", "ppo", ppo, [0.8, 1.2]),
-        Variant(
-            "ppo_clip_higher",
-            "PPO clip-higher (0.8, 1.28)",
-            "ppo",
-            {**ppo, "clip_range_high": 0.28},
-            [0.8, 1.28],
-        ),
+        Variant("ppo_clip_higher", "PPO clip-higher (0.8, 1.28)", "ppo", higher, [0.8, 1.28]),
     ] + [
         Variant(name, label, "bapo", {**BAPOPolicyLossFn.default_args(), **args}, [0.6, 1.2])
         for name, label, args in bapo

@@ -184,32 +184,26 @@ class BAPORuntimeKeyTest(unittest.TestCase):
         self.call_through_trinity(probe, object())
         self.assertEqual(probe.received, [])
 
-    def test_the_preset_names_trainers_that_pass_no_group(self):
-        """Tinker and the legacy Megatron actor call the loss without a dp_group: a warning."""
-        warned = {}
-        for trainer_type, strategy, legacy in [
-            ("verl", "fsdp2", False),
-            ("tinker", "fsdp2", False),
-            ("verl", "megatron", True),
-        ]:
-            config = Config()
-            config.trainer.trainer_type, config.trainer.trainer_strategy = trainer_type, strategy
+    def test_the_preset_warns_where_the_trainer_passes_no_group(self):
+        """Tinker and the legacy Megatron actor call the loss without a dp_group."""
+        named = {  # (trainer_type, trainer_strategy, verl < 0.8): the backend a warning names
+            ("verl", "fsdp2", False): None,
+            ("tinker", "fsdp2", False): "the Tinker trainer",
+            ("verl", "megatron", True): "the legacy Megatron actor",
+        }
+        for (trainer_type, strategy, legacy), backend in named.items():
             for sync in (True, False):
+                config = Config()
+                config.trainer.trainer_type = trainer_type
+                config.trainer.trainer_strategy = strategy
                 config.algorithm.policy_loss_fn_args = {"sync_across_dp": sync}
-                with (
-                    mock.patch("trinity.algorithm.algorithm.logger") as logger,
-                    mock.patch("trinity.trainer.trainer.is_verl_legacy", return_value=legacy),
-                ):
-                    BAPOAlgorithm.check_config(config)
-                calls = logger.warning.mock_calls
-                warned[strategy if legacy else trainer_type, sync] = [c.args[0] for c in calls]
-        quiet = [key for key, messages in warned.items() if not messages]
-        self.assertEqual(
-            sorted(quiet),
-            [("megatron", False), ("tinker", False)] + [("verl", s) for s in (False, True)],
-        )
-        self.assertIn("the Tinker trainer", warned["tinker", True][0])
-        self.assertIn("the legacy Megatron actor", warned["megatron", True][0])
+                with mock.patch("trinity.algorithm.algorithm.logger") as logger:
+                    with mock.patch("trinity.trainer.trainer.is_verl_legacy", return_value=legacy):
+                        BAPOAlgorithm.check_config(config)
+                warnings = [call.args[0] for call in logger.warning.mock_calls]
+                self.assertEqual(len(warnings), 1 if backend and sync else 0, (backend, sync))
+                for warning in warnings:
+                    self.assertIn(f"BAPO: {backend}", warning)
 
 
 class BAPODataParallelTest(unittest.TestCase):

@@ -84,7 +84,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         search_order: str = "upper_first",  # Algorithm 1; "lower_first" is the authors' code
         contribution: str = "surrogate",  # Eq. 8 as printed; "gradient": the update's share
         clip_ratio_c: Optional[float] = 3.0,  # dual clip for A < 0 as in PPO; None disables it
-        loss_agg_mode: str = "token-mean",  # as algorithm.loss_agg_mode, for the trainer
+        loss_agg_mode: str = "token-mean",  # Trinity's aggregation, as algorithm.loss_agg_mode
         sync_across_dp: bool = True,  # all-reduce the search sums over the trainer's dp_group
     ) -> None:
         """Check every argument here, so that a bad config fails before training starts."""
