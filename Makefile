@@ -27,8 +27,9 @@ test: setup
 
 # Trinity-RFT's checks: black, isort, flake8 with docstrings (.flake8), mypy (pyproject.toml).
 # trinity/ ships upstream, where Python 3.10 is the floor: a second mypy pass reads typeshed's
-# 3.10 signatures, so an API that came with 3.11 or later fails here.
-lint: $(DEPS_STAMP)
+# 3.10 signatures, so an API that came with 3.11 or later fails here. mypy reads the patched
+# trinity-rft (the tests import what the series adds), so lint sets up first.
+lint: setup
 	$(VENV)/bin/black --check trinity scripts tests
 	$(VENV)/bin/isort --check-only trinity scripts tests
 	$(VENV)/bin/flake8 trinity scripts tests
