@@ -76,9 +76,8 @@ class BoundSearch:
     def _constants_on(self, ratio: torch.Tensor, advantages: torch.Tensor):
         """The signed edges (in the ratio's dtype), bounds and dual clip (float64), cached.
 
-        Each is rounded as the loss compares it: ``torch.clamp`` compares a ratio with a bound
-        in the ratio's dtype (in bfloat16 the bound 1.2 is 1.203125), and ``-A * C`` is
-        computed in the dtype of ``A * r``. The cache spares each call a host-to-device copy.
+        Rounded as the loss compares them: ``torch.clamp`` in the ratio's dtype (in bfloat16
+        1.2 is 1.203125), ``-A * C`` in that of ``A * r``; cached, so no call copies from host.
         """
         dual_dtype = torch.result_type(advantages, ratio)
         key = (ratio.device, ratio.dtype, dual_dtype)

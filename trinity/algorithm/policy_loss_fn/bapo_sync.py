@@ -1,18 +1,17 @@
 """The torch.distributed side of BAPO: sum the search's vector over the data-parallel group.
 
-A call makes one all-reduce of ``[header | search sums]``. The header counts the ranks whose
-inputs failed and carries the settings' fingerprint as 16-bit lanes and their squares, so that
-every rank reads from the same sums whether the settings differ (``n * sum(f^2) == sum(f)^2``
-only when all agree). The vectors' length is kept per process and live group (weakly), not per
-loss object, so a pickled or re-created loss sends what its peers expect. When a rank's own
-length differs from it (a group's first call, new grids), the group's length goes first; with
-the same settings everywhere, every rank then resizes and sends again.
+A call makes one all-reduce of ``[header | search sums]``: the header counts the ranks whose
+inputs failed and carries the settings' fingerprint as 16-bit lanes and their squares, so every
+rank reads alike whether settings differ (``n * sum(f^2) == sum(f)^2`` only if all agree). The
+vectors' length is kept per process and live group (weakly), not per loss object, so a pickled
+or new loss sends what its peers expect; where a rank's own length differs (a group's first
+call, new grids), the group's length goes first, then with equal settings all ranks resize.
 """
 
 import hashlib
 import warnings
 import weakref
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,12 +44,12 @@ class ContributionSync:
         self.lanes = fingerprint(settings)
         self.enabled = enabled
         self.warned = False  # about a missing group, once per loss
+        self._headers: Dict[tuple, torch.Tensor] = {}
 
     def group_for(self, dp_group) -> Optional[object]:
         """The group to reduce over, or None where the search stays local.
 
-        The group given is the group used: with none nothing is reduced (never WORLD by
-        default), and the loss warns once if several ranks run.
+        The group given is the group used: none means no reduction (never WORLD by default).
         """
         if not self.enabled:
             return None
@@ -74,8 +73,8 @@ class ContributionSync:
     def reduce(self, sums, group, error: Optional[Exception] = None) -> List[float]:
         """The sums (a tensor, None on failure) over ``group`` (this rank's own without one).
 
-        ``error``, what failed on this rank before the collective, is re-raised here after
-        the all-reduce; the other ranks then raise a ``RuntimeError`` that names this rank.
+        ``error``, what failed here before the collective, is re-raised after the all-reduce;
+        the other ranks then raise a ``RuntimeError`` naming this rank.
         """
         if group is None:
             if error is not None:
@@ -98,19 +97,22 @@ class ContributionSync:
 
     def _exchange(self, body: torch.Tensor, error, group, device) -> List[float]:
         """One all-reduce of ``[header | body]``; every rank raises if any failed or differs."""
-        header = [float(error is not None), *self.lanes, *(lane * lane for lane in self.lanes)]
-        vector = torch.cat([torch.tensor(header, dtype=torch.float64, device=device), body])
+        failed = error is not None
+        key = (str(device), failed)  # built once: a copy from host memory would wait on the device
+        if key not in self._headers:
+            header = [float(failed), *self.lanes, *(lane * lane for lane in self.lanes)]
+            self._headers[key] = torch.tensor(header, dtype=torch.float64, device=device)
+        vector = torch.cat([self._headers[key], body])
         dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=group)
         values, size = vector.tolist(), dist.get_world_size(group=group)
         sums, squares = values[1 : 1 + LANES], values[1 + LANES : HEADER]
         if values[FAILED] or any(size * int(q) != int(s) ** 2 for s, q in zip(sums, squares)):
-            self._raise_on_every_rank(header[: 1 + LANES], error, group, device)
+            self._raise_on_every_rank(self._headers[key][: 1 + LANES], error, group)
         return values
 
     @staticmethod
-    def _raise_on_every_rank(mine: List[float], error, group, device) -> None:
-        """Name the failed ranks, or each setting's ranks, in one all-gather; then raise."""
-        row = torch.tensor(mine, dtype=torch.float64, device=device)
+    def _raise_on_every_rank(row: torch.Tensor, error, group) -> None:
+        """All-gather each rank's ``row`` (failure flag, lanes), name the ranks, then raise."""
         rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group=group))]
         dist.all_gather(rows, row, group=group)
         if error is not None:
