@@ -1,10 +1,11 @@
 """Write the pull requests, one git patch each against the Trinity-RFT 0.6.0 source distribution.
 
-``dist/trinity-rft-bapo.patch`` holds BAPO (patches 0001-0005, our modules, the example, the unit
-test); ``dist/trinity-rft-loss-agg-mode.patch`` the unrelated config fix and its test. Each is
-the diff between the unpacked sdist (from PyPI, cached in build/sdist/) and the same tree with
-its patches applied and its files added, after its description (``patches/pr/<name>.md``), which
-``git apply`` skips; either applies alone at the root of a v0.6.0 checkout.
+``dist/trinity-rft-policy-loss-runtime-keys.patch``: the interface (``patches/runtime-keys-*``
+and its test); ``dist/trinity-rft-bapo.patch``: BAPO (``patches/bapo-*``, our modules, the
+examples, its tests), on top of the interface; ``dist/trinity-rft-loss-agg-mode.patch``: the
+config fix and its test, alone. Each is the diff from its base tree (the unpacked sdist, from
+PyPI, cached in build/sdist/, with its base's changes) to the same tree with its patches applied
+and its files added, after its description (``patches/pr/<name>.md``), which ``git apply`` skips.
 Run: make pr (or: python -m scripts.make_pr [OUTPUT_DIR])
 """
 
@@ -16,7 +17,7 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 PATCHES = REPO / "patches"
@@ -26,11 +27,12 @@ SDIST = REPO / "build" / "sdist" / "trinity_rft-0.6.0.tar.gz"
 
 @dataclass(frozen=True)
 class PullRequest:
-    """The patches (in order) and the repo files one pull request holds."""
+    """The patches (in order) and the repo files one pull request holds, and what it builds on."""
 
     name: str
     patches: List[str]
     files: List[str]
+    base: Optional["PullRequest"] = None
 
     def description(self) -> str:
         """The text before the diff: the description, then the parts the patch holds."""
@@ -49,14 +51,25 @@ def _files(*folders: str) -> List[str]:
     return sorted(str(p.relative_to(REPO)) for p in found if "__pycache__" not in p.parts)
 
 
+def _patches(prefix: str) -> List[str]:
+    """The patch files named ``<prefix>-NNNN-*.patch``, in order."""
+    return sorted(p.name for p in PATCHES.glob(f"{prefix}-[0-9]*.patch"))
+
+
 def pull_requests() -> List[PullRequest]:
-    """Both pull requests, BAPO first."""
-    bapo_patches = sorted(p.name for p in PATCHES.glob("000*.patch"))
-    bapo_files = _files("trinity", "examples/bapo_gsm8k", "tests/algorithm")
-    fix = ["loss-agg-mode-0001-config-copies-loss-agg-mode.patch"]
+    """The three pull requests: the interface, BAPO on top of it, and the config fix."""
+    keys_test = "tests/algorithm/policy_loss_runtime_keys_test.py"
+    keys = PullRequest("policy-loss-runtime-keys", _patches("runtime-keys"), [keys_test])
+    bapo_tests = [
+        "tests/algorithm/policy_loss_test.py",
+        "tests/algorithm/bapo_data_parallel_test.py",
+    ]
+    bapo_files = _files("trinity", "examples/bapo_gsm8k") + bapo_tests
+    fix_test = ["tests/common/loss_agg_mode_config_test.py"]
     return [
-        PullRequest("bapo", bapo_patches, bapo_files),
-        PullRequest("loss-agg-mode", fix, ["tests/common/loss_agg_mode_config_test.py"]),
+        keys,
+        PullRequest("bapo", _patches("bapo"), bapo_files, base=keys),
+        PullRequest("loss-agg-mode", _patches("loss-agg-mode"), fix_test),
     ]
 
 
@@ -87,17 +100,24 @@ def git(root: Path, *args: str) -> str:
     ).stdout
 
 
+def add(root: Path, pr: PullRequest) -> None:
+    """Apply the pull request's patches to the tree at ``root`` and copy its files in."""
+    git(root, "apply", *(str(PATCHES / p) for p in pr.patches))
+    for rel in pr.files:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(REPO / rel, root / rel)
+
+
 def diff(pr: PullRequest) -> str:
-    """The pull request's diff against the sdist, made in a scratch git repository."""
+    """The pull request's diff against its base tree, made in a scratch git repository."""
     with tempfile.TemporaryDirectory(prefix="trinity-pr-") as tmp:
         root = unpack(Path(tmp))
         git(root, "init", "-q")
+        if pr.base is not None:
+            add(root, pr.base)
         git(root, "add", "-A")
         base = git(root, "write-tree").strip()
-        git(root, "apply", *(str(PATCHES / p) for p in pr.patches))
-        for rel in pr.files:
-            (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(REPO / rel, root / rel)
+        add(root, pr)
         git(root, "add", "-A")
         head = git(root, "write-tree").strip()
         prefixes = ["--src-prefix=a/", "--dst-prefix=b/", "--no-renames", "--no-ext-diff"]

@@ -1,9 +1,10 @@
-"""`make pr`'s two patches each apply alone to the Trinity-RFT 0.6.0 sdist, and their tests pass.
+"""`make pr`'s three patches apply to the Trinity-RFT 0.6.0 sdist as stated, and their tests pass.
 
-Each patch goes through `git apply --check` and `git apply` on its own fresh sdist (from PyPI,
-cached under build/sdist/; skipped only where it cannot be had); the touched files must equal the
-installed ones and ours, and its unit test must pass there. The config fix's test must also fail
-on the released tree, or it would prove nothing.
+The interface and the config fix each apply alone to a fresh sdist (from PyPI, cached under
+build/sdist/; skipped only where it cannot be had), BAPO on top of the interface. The touched
+files must equal the installed ones and ours, and each pull request's own tests must pass there.
+The config fix's test must fail on the released tree, and BAPO's tests must fail when one of the
+claims they rest on is undone, or they would prove nothing.
 """
 
 import importlib.metadata
@@ -21,35 +22,33 @@ REPO = Path(__file__).resolve().parents[1]
 SDIST = REPO / "build" / "sdist" / "trinity_rft-0.6.0.tar.gz"
 SITE = Path(str(importlib.metadata.distribution("trinity-rft").locate_file("")))
 PATCHES = REPO / "patches"
-# name -> (its parts in order, the files it adds, its unit test and how many tests that runs)
+KEYS_TEST = "tests/algorithm/policy_loss_runtime_keys_test.py"
+BAPO_TESTS = ["tests/algorithm/policy_loss_test.py", "tests/algorithm/bapo_data_parallel_test.py"]
+FIX_TEST = "tests/common/loss_agg_mode_config_test.py"
+# name -> (its parts in order, the files it adds, the pull request it applies on top of)
 PULL_REQUESTS = {
-    "bapo": (
+    "policy-loss-runtime-keys": (
         [
-            "0001-policy-loss-runtime-keys.patch",
-            "0002-engine-loss-forwards-dp-group.patch",
-            "0003-legacy-actor-forwards-dp-group.patch",
-            "0004-register-bapo.patch",
-            "0005-readme-lists-bapo.patch",
+            "runtime-keys-0001-policy-loss-runtime-keys.patch",
+            "runtime-keys-0002-engine-loss-forwards-dp-group.patch",
         ],
+        {KEYS_TEST},
+        None,
+    ),
+    "bapo": (
+        ["bapo-0001-register-bapo.patch", "bapo-0002-readme-lists-bapo.patch"],
         {
             "trinity/algorithm/policy_loss_fn/bapo_policy_loss.py",
             "trinity/algorithm/policy_loss_fn/bapo_search.py",
             "trinity/algorithm/policy_loss_fn/bapo_sync.py",
             "examples/bapo_gsm8k/gsm8k.yaml",
             "examples/bapo_gsm8k/gsm8k_colocate.yaml",
-            "examples/bapo_gsm8k/async_explorer.yaml",
-            "examples/bapo_gsm8k/async_trainer.yaml",
             "examples/bapo_gsm8k/README.md",
-            "tests/algorithm/bapo_policy_loss_test.py",
-            "tests/algorithm/bapo_data_parallel_test.py",
+            *BAPO_TESTS,
         },
-        ("tests/algorithm", "bapo_*_test.py", 15),
+        "policy-loss-runtime-keys",
     ),
-    "loss-agg-mode": (
-        ["loss-agg-mode-0001-config-copies-loss-agg-mode.patch"],
-        {"tests/common/loss_agg_mode_config_test.py"},
-        ("tests/common", "loss_agg_mode_config_test.py", 5),
-    ),
+    "loss-agg-mode": (["loss-agg-mode-0001-config-copies-loss-agg-mode.patch"], {FIX_TEST}, None),
 }
 
 
@@ -69,7 +68,7 @@ def touched_by(names) -> set[str]:
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory) -> Path:
-    """The folder `make pr` wrote both patches into (downloading the sdist if need be)."""
+    """The folder `make pr` wrote the patches into (downloading the sdist if need be)."""
     output = tmp_path_factory.mktemp("pr")
     done = run(sys.executable, "-m", "scripts.make_pr", output, cwd=REPO)
     if done.returncode != 0 and "cannot download" in done.stderr:
@@ -86,25 +85,35 @@ def fresh_tree(tmp_path_factory) -> Path:
     return unpacked / "trinity_rft-0.6.0"
 
 
+def patched_tree(name: str, written: Path, tmp_path_factory) -> Path:
+    """A fresh sdist with the pull request applied after the one it builds on, each checked."""
+    base = PULL_REQUESTS[name][2]
+    tree = patched_tree(base, written, tmp_path_factory) if base else fresh_tree(tmp_path_factory)
+    patch = written / f"trinity-rft-{name}.patch"
+    for args in (["--check"], []):
+        done = run("git", "apply", *args, patch, cwd=tree)
+        assert done.returncode == 0, (name, done.stderr)
+    return tree
+
+
 @pytest.fixture(scope="module", params=sorted(PULL_REQUESTS))
 def applied(request, written, tmp_path_factory):
-    """(name, tree, touched paths) for one pull request applied alone to its own sdist tree."""
-    patch = written / f"trinity-rft-{request.param}.patch"
-    tree = fresh_tree(tmp_path_factory)
-    assert (tree / "trinity" / "__init__.py").is_file()
-    check = run("git", "apply", "--check", patch, cwd=tree)
-    assert check.returncode == 0, check.stderr
-    done = run("git", "apply", patch, cwd=tree)
-    assert done.returncode == 0, done.stderr
-    touched = re.findall(r"^diff --git a/\S+ b/(\S+)$", patch.read_text(), re.M)
-    return request.param, tree, touched
+    """(name, tree, paths its patch touches) for one pull request applied as stated."""
+    tree = patched_tree(request.param, written, tmp_path_factory)
+    text = (written / f"trinity-rft-{request.param}.patch").read_text()
+    return request.param, tree, re.findall(r"^diff --git a/\S+ b/(\S+)$", text, re.M)
 
 
-def unit_test(tree: Path, folder: str, pattern: str, path=()) -> subprocess.CompletedProcess:
-    """Run the unittest files ``pattern`` against the tree's code (after ``path``)."""
+def own_tests(name: str) -> list[str]:
+    """The test files a pull request adds."""
+    return sorted(rel for rel in PULL_REQUESTS[name][1] if rel.startswith("tests/"))
+
+
+def pytest_in(tree: Path, files, path=(), *options: str) -> subprocess.CompletedProcess:
+    """Run test files with pytest against the tree's code (after ``path``)."""
     return run(
         sys.executable,
-        *("-m", "unittest", "discover", "-v", "-s", folder, "-p", pattern),
+        *("-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *options, *files),
         cwd=tree,
         PYTHONPATH=os.pathsep.join([*map(str, path), str(tree)]),
     )
@@ -123,7 +132,7 @@ def test_pull_requests_name_none_of_this_repositorys_tooling(written, name) -> N
     assert [line for line in text.splitlines() if OUR_TOOLING.search(line)] == []
 
 
-def test_make_pr_writes_exactly_the_two_pull_requests(written) -> None:
+def test_make_pr_writes_exactly_the_three_pull_requests(written) -> None:
     names = sorted(p.name for p in written.iterdir())
     assert names == sorted(f"trinity-rft-{name}.patch" for name in PULL_REQUESTS)
 
@@ -132,9 +141,9 @@ def test_the_pull_requests_hold_the_whole_installed_series() -> None:
     """Every installed patch is in one pull request; the README row is the only extra part."""
     series = (PATCHES / "series").read_text().split()
     parts = [name for patches, _, _ in PULL_REQUESTS.values() for name in patches]
-    assert sorted(set(parts) - set(series)) == ["0005-readme-lists-bapo.patch"]
+    assert sorted(set(parts) - set(series)) == ["bapo-0002-readme-lists-bapo.patch"]
     assert set(series) <= set(parts) and len(parts) == len(set(parts))
-    assert touched_by(["0005-readme-lists-bapo.patch"]) == {"README.md"}
+    assert touched_by(["bapo-0002-readme-lists-bapo.patch"]) == {"README.md"}
 
 
 @pytest.mark.parametrize("name", sorted(PULL_REQUESTS))
@@ -143,6 +152,11 @@ def test_subjects_are_numbered_against_their_own_series(name) -> None:
     for index, part in enumerate(patches, start=1):
         first = (PATCHES / part).read_text().splitlines()[0]
         assert first.startswith(f"Subject: [PATCH {index}/{len(patches)}] "), (part, first)
+
+
+def test_bapo_description_names_the_interface_it_builds_on(written) -> None:
+    description = (written / "trinity-rft-bapo.patch").read_text().split("\n--- a/", 1)[0]
+    assert "policy loss: runtime keys" in description
 
 
 def test_each_patch_holds_its_parts_and_files(applied) -> None:
@@ -162,51 +176,38 @@ def test_every_touched_file_equals_ours(applied) -> None:
             assert got == (REPO / rel).read_bytes(), f"{rel} differs from the repo's file"
 
 
-def test_unit_test_passes_against_the_patched_tree(applied) -> None:
+def test_own_tests_pass_against_the_patched_tree(applied) -> None:
     name, tree, _ = applied
-    folder, pattern, count = PULL_REQUESTS[name][2]
-    if name == "bapo":
-        where = run(
-            sys.executable,
-            "-c",
-            "import trinity.algorithm.policy_loss_fn.bapo_policy_loss as m; print(m.__file__)",
-            cwd=tree,
-            PYTHONPATH=str(tree),
-        )
-        assert Path(where.stdout.strip()).is_relative_to(tree), where.stderr
-    done = unit_test(tree, folder, pattern)
-    assert done.returncode == 0, done.stderr
-    assert f"Ran {count} tests" in done.stderr and "OK" in done.stderr, done.stderr
+    where = run(sys.executable, "-c", "import trinity; print(trinity.__file__)", cwd=tree)
+    assert Path(where.stdout.strip()).is_relative_to(tree), where.stderr
+    files = own_tests(name)
+    count = sum((REPO / rel).read_text().count("\n    def test_") for rel in files)
+    done = pytest_in(tree, files)
+    assert done.returncode == 0 and f"{count} passed" in done.stdout, done.stdout[-3000:]
 
 
 def test_config_fix_test_fails_on_the_released_tree(written, tmp_path_factory) -> None:
     tree = fresh_tree(tmp_path_factory)
-    rel = "tests/common/loss_agg_mode_config_test.py"
-    (tree / rel).parent.mkdir(parents=True)
-    (tree / rel).write_bytes((REPO / rel).read_bytes())
-    done = unit_test(tree, "tests/common", "loss_agg_mode_config_test.py")
-    assert done.returncode != 0 and "FAILED (failures=" in done.stderr, done.stderr
+    (tree / FIX_TEST).parent.mkdir(parents=True)
+    (tree / FIX_TEST).write_bytes((REPO / FIX_TEST).read_bytes())
+    done = pytest_in(tree, [FIX_TEST])
+    assert done.returncode == 1 and "FAILED" in done.stdout, done.stdout[-3000:]
 
 
 # What each of the BAPO pull request's claims rests on, undone in the patched tree, and a test
 # of the pull request's own that must then fail.
 BREAKAGES = {
-    "all_reduce_does_nothing": "setUpClass (bapo_data_parallel_test.BAPODataParallelTest)",
-    "trinity_policy_loss_passes_no_group": "test_trinity_policy_loss_hands_the_engine_group",
-    "metaclass_ignores_runtime_keys": "test_dp_group_is_no_batch_field",
+    "all_reduce_does_nothing": "BAPODataParallelTest::test_every_rank_takes_the_pair_of_the_union",
+    "trinity_policy_loss_passes_no_group": (
+        "test_through_trinity_policy_loss_every_rank_takes_the_pair_of_the_union"
+    ),
+    "metaclass_ignores_runtime_keys": "BAPORuntimeKeyTest::test_dp_group_is_no_batch_field",
 }
-
-
-def bapo_tree(written: Path, tmp_path_factory) -> Path:
-    """A fresh sdist with the BAPO pull request alone applied."""
-    tree = fresh_tree(tmp_path_factory)
-    assert run("git", "apply", written / "trinity-rft-bapo.patch", cwd=tree).returncode == 0
-    return tree
 
 
 @pytest.mark.parametrize("breakage", sorted(BREAKAGES))
 def test_bapo_tests_fail_when_a_claim_is_undone(breakage, written, tmp_path_factory) -> None:
-    tree, path = bapo_tree(written, tmp_path_factory), []
+    tree, path = patched_tree("bapo", written, tmp_path_factory), []
     if breakage == "all_reduce_does_nothing":  # in every process, the spawned ranks included
         path.append(tmp_path_factory.mktemp("hook"))
         hook = "import torch.distributed\ntorch.distributed.all_reduce = lambda *a, **k: None\n"
@@ -219,9 +220,10 @@ def test_bapo_tests_fail_when_a_claim_is_undone(breakage, written, tmp_path_fact
     else:  # the released metaclass, which reads no _runtime_keys
         rel = "trinity/algorithm/policy_loss_fn/policy_loss_fn.py"
         (tree / rel).write_bytes((fresh_tree(tmp_path_factory) / rel).read_bytes())
-    done = unit_test(tree, "tests/algorithm", "bapo_*_test.py", path)
-    failed = re.findall(r"^(?:FAIL|ERROR): (.+)$", done.stderr, re.M)
-    assert done.returncode != 0 and any(BREAKAGES[breakage] in name for name in failed), failed
+    test = BREAKAGES[breakage]  # run alone, so that no other test's setup is paid for
+    done = pytest_in(tree, own_tests("bapo"), path, "-k", test.split("::")[-1])
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.M)
+    assert done.returncode == 1 and any(test in name for name in failed), done.stdout[-3000:]
 
 
 # Writes each mode where the example configs write it, then loads them through the tree's own
@@ -233,7 +235,7 @@ from trinity.common.config import load_config
 from trinity.common.config_validator import BufferConfigValidator, validators
 
 found = {}
-for name in ("gsm8k", "gsm8k_colocate", "async_trainer"):
+for name in ("gsm8k", "gsm8k_colocate"):
     written = yaml.safe_load(open(f"examples/bapo_gsm8k/{name}.yaml"))
     assert "loss_agg_mode" in written["algorithm"], name  # the example writes it in both places
     assert "loss_agg_mode" in written["algorithm"]["policy_loss_fn_args"], name
@@ -256,8 +258,8 @@ AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 def test_examples_reach_the_loss_with_their_mode_without_the_config_fix(
     written, tmp_path_factory
 ) -> None:
-    """On 0.6.0 with the BAPO PR alone, each mode written as the examples write it is BAPO's."""
-    tree = bapo_tree(written, tmp_path_factory)
+    """On 0.6.0 with the interface and BAPO PRs, each mode as the examples write it is BAPO's."""
+    tree = patched_tree("bapo", written, tmp_path_factory)
     checkpoints = str(tmp_path_factory.mktemp("checkpoints"))
     done = run(
         sys.executable,
@@ -268,5 +270,5 @@ def test_examples_reach_the_loss_with_their_mode_without_the_config_fix(
     )
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(found) == 3 * len(AGG_MODES)
+    assert len(found) == 2 * len(AGG_MODES)
     assert all(modes == [key.split("/")[1]] * 2 for key, modes in found.items()), found

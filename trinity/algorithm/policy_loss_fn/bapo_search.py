@@ -1,183 +1,99 @@
-"""BAPO's clip-bound search as pure tensor code: tokens in, per-candidate sums out, a pair back.
+"""BAPO's clip-bound search as pure code: tokens in, per-bin sums out; sums in, a pair out.
 
-``P`` (Eq. 8's positive part) depends only on ``c_high`` and ``N`` only on ``c_low``, so one pass
-over the tokens gives both parts for every candidate in one float64 vector, and no tokens x
-candidates tensor is ever built. ``decide`` walks the candidate path on those sums on the host.
-Adding the vectors of several data-parallel ranks first gives every rank the same pair.
+Eq. 8's P and N at every candidate follow from the sums of ``|A| r`` and ``|A|`` per bin between
+neighbouring bounds: one pass over the tokens, and bins added over ranks act as their union.
 """
 
 import math
-from dataclasses import dataclass
-from decimal import Decimal
-from typing import Dict, Tuple
+from itertools import accumulate
+from typing import List, Tuple
 
 import torch
 
-LOG_RATIO_CLAMP = 20.0  # the loss clamps log r to [-20, 20], as PPOPolicyLossFn does
-MAX_CANDIDATES = 10_000  # per range; a step so small that the grid explodes is a config error
+MAX_CANDIDATES = 10_000  # per range: a finer grid is a typo, not a setting
 
 
-def candidate_grid(start: float, maximum: float, step: float, cap_at_max: bool, name="step"):
-    """Exact candidates ``start + k * step`` that do not pass ``maximum``.
+def candidate_grid(name: str, start, maximum, step, low: float, high: float, cap: bool):
+    """The bounds ``start + k * step`` up to ``maximum`` of the range ``name``, checked.
 
-    Decimal arithmetic on the values as written avoids the float trap (0.6 + 15 * 0.02 must be
-    0.90, not 0.8999...). ``cap_at_max`` appends an off-grid ``maximum``, as the authors'
-    ``min(c + step, max)`` does. Too many candidates, or ones that are not distinct floats,
-    raise a ``ValueError`` that names ``name``.
+    Rounding to 12 decimals keeps 0.6 + 15 * 0.02 at 0.9 rather than 0.8999999999999999, so the
+    grid keeps its last step. ``cap`` appends an off-grid maximum, as the authors' ``min(c + step,
+    max)`` does. Bad values raise a ``ValueError`` naming the argument and what it allows.
     """
-    a, b, d = (Decimal(repr(x)) for x in (start, maximum, step))
-    count = int((b - a) / d) + 1 if a < b else 1
-    grid = [float(a + k * d) for k in range(min(count, MAX_CANDIDATES + 1))]
-    if cap_at_max and grid[-1] < maximum:
-        grid.append(maximum)
-    if len(grid) > MAX_CANDIDATES or any(nxt <= prev for prev, nxt in zip(grid, grid[1:])):
+    if not low <= start <= maximum <= high:
         raise ValueError(
-            f"BAPO: `{name}` must give at most {MAX_CANDIDATES} distinct candidates in "
-            f"[{start}, {maximum}], got {step!r}"
+            f"BAPO: `{name}_start` <= `{name}_max` must lie in [{low}, {high}]: {start}, {maximum}"
         )
-    return grid
-
-
-@dataclass(frozen=True)
-class SearchResult:
-    """The chosen pair and how the search got there."""
-
-    clip_low: float
-    clip_high: float
-    positive_contribution: float  # rho at the chosen pair
-    target_met: bool
-    steps: int
-    nonfinite_tokens: int  # > 0 means the start pair was kept without searching
-
-
-def positive_share(positive: float, negative: float) -> float:
-    """Return rho = P / (P + N), defined as 1 where no token contributes."""
-    total = positive + negative
-    return 1.0 if total == 0 else positive / total
-
-
-def _suffix_sums(values: torch.Tensor) -> torch.Tensor:
-    """Entry k: the sum of ``values[k:]``."""
-    return values.flip(0).cumsum(0).flip(0)
-
-
-class BoundSearch:
-    """Candidate grids and the two search steps for one set of BAPO hyper-parameters."""
-
-    def __init__(self, lower, upper, target, search_order, contribution, clip_ratio_c) -> None:
-        """Keep the candidate grids (lists of floats) and the settings of the walk."""
-        self.lower, self.upper = lower, upper
-        self.target = target
-        self.search_order = search_order
-        self.contribution = contribution
-        self.clip_ratio_c = clip_ratio_c
-        self._constants: Dict[Tuple, Tuple[torch.Tensor, ...]] = {}
-
-    def _constants_on(self, ratio: torch.Tensor, advantages: torch.Tensor):
-        """The signed edges (in the ratio's dtype), bounds and dual clip (float64), cached.
-
-        Rounded as the loss compares them: ``torch.clamp`` in the ratio's dtype (in bfloat16
-        1.2 is 1.203125), ``-A * C`` in that of ``A * r``; cached, so no call copies from host.
-        """
-        dual_dtype = torch.result_type(advantages, ratio)
-        key = (ratio.device, ratio.dtype, dual_dtype)
-        if key not in self._constants:
-            bounds = torch.tensor(self.lower + self.upper, dtype=torch.float64)
-            lower, upper = bounds.to(ratio.dtype).double().split([len(self.lower), len(self.upper)])
-            signed = torch.cat([-lower.flip(0), torch.zeros(1, dtype=torch.float64), upper])
-            dual = torch.tensor(self.clip_ratio_c or math.inf).to(dual_dtype).double()
-            parts = (signed.to(ratio.dtype), lower, upper, dual)
-            self._constants[key] = tuple(t.to(ratio.device) for t in parts)
-        return self._constants[key]
-
-    def local_sums(self, ratio, advantages, mask, finite, weight=None) -> torch.Tensor:
-        """[P per upper candidate | N per lower candidate | non-finite live tokens], float64.
-
-        A live token (``mask != 0``) weighs ``|A|`` times ``weight`` (by default its mask
-        value); masked tokens and tokens not ``finite`` weigh 0. Each token falls in one bin of
-        ``copysign(r, A)`` cut at ``[-b-, ..., -a-, 0, a+, ..., b+]`` (a ratio on a bound is
-        unclipped, as in ``torch.clamp``). No host sync; the caller's tensors stay unwritten.
-        """
-        signed, lower, upper, dual = self._constants_on(ratio, advantages)
-        live = (mask != 0).reshape(-1)
-        dropped = ~(live & finite.reshape(-1))
-        adv = advantages.detach().reshape(-1)
-        if weight is None and mask.dtype != torch.bool:
-            weight = mask
-        # In 16-bit precision a ratio can underflow to 0, which would file a positive token on
-        # the negative side; the float64 copy stays below e^20 where the 16-bit one overflows.
-        r = ratio.detach().reshape(-1).clamp(min=torch.finfo(ratio.dtype).tiny)
-        bins = torch.bucketize(torch.copysign(r, adv), signed)  # A = 0 weighs 0 on either side
-        bins = torch.where(dropped, len(signed) + 1, bins)  # a last bin, never read: NaN there
-        r = r.double().clamp_(max=math.exp(LOG_RATIO_CLAMP))
-        w = adv.to(torch.float64, copy=True).abs_()
-        if weight is not None:
-            w.mul_(weight.detach().reshape(-1))
-        if self.contribution == "gradient" and self.clip_ratio_c is not None:
-            # Past the dual clip A < 0 has no gradient; on it, torch.min splits it in half.
-            # (Only |A| r is read under "gradient", so |A| may carry this share.)
-            share = torch.where(r > dual, 0.0, torch.where(r == dual, 0.5, 1.0))
-            w.mul_(share.masked_fill_(adv > 0, 1.0))
-        hist_r, hist_w = (w.new_zeros(len(signed) + 2).index_add_(0, bins, x) for x in (r * w, w))
-        return self._candidate_sums(hist_r, hist_w, upper, lower, (live & dropped).sum())
-
-    def _candidate_sums(self, hist_r, hist_w, upper, lower, nonfinite) -> torch.Tensor:
-        """Every candidate's P and N from the per-bin sums of ``|A| r`` and ``|A|``.
-
-        A > 0: bin k (after the 0) holds ratios with k upper candidates below them, so
-        candidate j keeps A r of bins <= j and, under Eq. 8, counts bins > j at c_high. A < 0,
-        flipped so that bin k holds ratios with k lower candidates <= r: candidate i keeps
-        |A| r of bins > i and counts bins <= i at c_low. Prefix and suffix sums add only a
-        candidate's own tokens, so one huge token cannot erase the small ones.
-        """
-        n_low = len(self.lower)
-        pos_r, pos_w = hist_r[n_low + 1 : -1], hist_w[n_low + 1 : -1]
-        neg_r, neg_w = hist_r[: n_low + 1].flip(0), hist_w[: n_low + 1].flip(0)
-        positive, negative = pos_r.cumsum(0)[:-1], _suffix_sums(neg_r)[1:]
-        if self.contribution == "surrogate":
-            positive = positive + upper * _suffix_sums(pos_w)[1:]
-            negative = negative + lower * neg_w.cumsum(0)[:-1]
-        return torch.cat([positive, negative, nonfinite.double().reshape(1)])
-
-    def decide(self, sums) -> SearchResult:
-        """Walk the candidate path on sums (a list, or a tensor) laid out as ``local_sums``'s."""
-        values = sums.tolist() if isinstance(sums, torch.Tensor) else sums
-        n_up, n_low = len(self.upper), len(self.lower)
-        positive, negative = values[:n_up], values[n_up : n_up + n_low]
-        nonfinite = int(values[n_up + n_low])
-
-        def rho(i: int, j: int) -> float:
-            return positive_share(positive[j], negative[i])
-
-        if nonfinite > 0:
-            i = j = steps = 0
-        elif self.search_order == "upper_first":
-            i, j, steps = self._walk_upper_first(rho)
-        else:
-            i, j, steps = self._walk_lower_first(rho)
-        share = rho(i, j)
-        return SearchResult(
-            self.lower[i], self.upper[j], share, share >= self.target, steps, nonfinite
+    if start == maximum:
+        return [float(start)]
+    if not (step > 0 and (maximum - start) / step < MAX_CANDIDATES):
+        raise ValueError(
+            f"BAPO: `{name}_step` must be > 0, for {MAX_CANDIDATES} bounds at most: {step}"
         )
+    count = math.floor(round((maximum - start) / step, 9)) + 1
+    grid = [round(start + k * step, 12) for k in range(count)]
+    return grid + [float(maximum)] if cap and grid[-1] < maximum else grid
 
-    def _walk_upper_first(self, rho) -> Tuple[int, int, int]:
-        """Algorithm 1: raise c_high while it fits, then c_low, while the lower range has room."""
-        i = j = steps = 0
-        while rho(i, j) < self.target and i + 1 < len(self.lower):
-            if j + 1 < len(self.upper):
+
+def bin_sums(ratio, advantages, live, finite, edges) -> torch.Tensor:
+    """``[0, non-finite live tokens | sum |A| r per bin | sum |A| per bin]`` in float64.
+
+    ``edges`` are ``[-b-, ..., -a-, 0, a+, ..., b+]`` in the ratio's dtype, as ``torch.clamp``
+    compares the bounds; a token's bin is that of ``copysign(r, A)``. Masked tokens and live ones
+    that are not ``finite`` go to a last bin, never read. Slot 0 is the sync's failure flag.
+    """
+    r = ratio.detach().clamp(min=torch.finfo(ratio.dtype).tiny)  # no 16-bit underflow to 0
+    bins = torch.bucketize(torch.copysign(r, advantages.detach()), edges)
+    bins = torch.where(live & finite, bins, len(edges) + 1).reshape(-1)
+    weight = advantages.detach().abs().double().reshape(-1)
+    sums = weight.new_zeros(2, len(edges) + 2)
+    sums[0].index_add_(0, bins, weight * r.double().reshape(-1))
+    sums[1].index_add_(0, bins, weight)
+    bad = (live & ~finite).sum().double().reshape(1)
+    return torch.cat([bad.new_zeros(1), bad, sums[:, :-1].reshape(-1)])
+
+
+def decide(values: List[float], bounds: List[float], n_lower: int, target: float, upper_first):
+    """Walk the candidates on ``bin_sums``'s values; return the pair's indices and its rho.
+
+    ``bounds``: the lower, then the upper candidates, as the loss compares them. Positive bin k
+    holds ratios above k upper bounds: c_high_j keeps ``A r`` of bins ``<= j`` and counts the
+    rest at c_high. Negative bins, flipped, hold ratios at or above k lower bounds: c_low_i keeps
+    ``|A| r`` of bins ``> i`` and counts the rest at c_low. A non-finite token keeps the start.
+    """
+    cut, n_bins = n_lower + 1, len(bounds) + 2
+    ar, a = values[2 : 2 + n_bins], values[2 + n_bins :]
+    kept_pos = list(accumulate(ar[cut:]))  # A r of positive bins <= j
+    above_pos = list(accumulate(a[cut:][::-1]))[::-1]  # A of positive bins >= j
+    kept_neg = list(accumulate(ar[:cut]))[::-1]  # |A| r of flipped negative bins >= i
+    below_neg = list(accumulate(a[:cut][::-1]))  # |A| of flipped negative bins <= i
+    positive = [kept_pos[j] + c * above_pos[j + 1] for j, c in enumerate(bounds[n_lower:])]
+    negative = [kept_neg[i + 1] + c * below_neg[i] for i, c in enumerate(bounds[:n_lower])]
+
+    def rho(i: int, j: int) -> float:
+        total = positive[j] + negative[i]
+        return 1.0 if total == 0 else positive[j] / total
+
+    i, j = (0, 0) if values[1] else walk(rho, n_lower, len(bounds) - n_lower, target, upper_first)
+    return i, j, rho(i, j)
+
+
+def walk(rho, n_lower: int, n_upper: int, target: float, upper_first: bool) -> Tuple[int, int]:
+    """Return the indices of (c_low, c_high); each step raises one bound by one candidate.
+
+    Algorithm 1 (``upper_first``): while rho < rho0 and c_low has room, raise c_high if it has
+    room, else c_low. The authors' order: raise c_low while it has room, then c_high.
+    """
+    i = j = 0
+    if upper_first:
+        while rho(i, j) < target and i + 1 < n_lower:
+            if j + 1 < n_upper:
                 j += 1
             else:
                 i += 1
-            steps += 1
-        return i, j, steps
-
-    def _walk_lower_first(self, rho) -> Tuple[int, int, int]:
-        """The authors' order: exhaust c_low first, then c_high."""
-        i = j = steps = 0
-        while rho(i, j) < self.target and i + 1 < len(self.lower):
-            i += 1
-            steps += 1
-        while rho(i, j) < self.target and j + 1 < len(self.upper):
-            j += 1
-            steps += 1
-        return i, j, steps
+        return i, j
+    while rho(i, j) < target and i + 1 < n_lower:
+        i += 1
+    while rho(i, j) < target and j + 1 < n_upper:
+        j += 1
+    return i, j
