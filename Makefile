@@ -7,8 +7,9 @@ PYTEST_ARGS ?=
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 EXPERIMENT_ARGS ?=
+SENSITIVITY_ARGS ?=
 
-.PHONY: setup test lint pr demo bench experiment dp-check unpatch clean
+.PHONY: setup test lint pr demo bench experiment sensitivity dp-check unpatch clean
 
 # Installing the pins is slow, so it is stamped. Applying the patch series and copying our
 # modules into trinity-rft is a cheap hash check and runs every time, so an edit under trinity/
@@ -41,14 +42,18 @@ pr: setup
 	$(PYTHON) -m scripts.make_pr
 
 demo: setup
-	$(PYTHON) -m scripts.demo $(DEMO_ARGS)
+	$(PYTHON) -m scripts.experiment demo $(DEMO_ARGS)
 
 bench: setup
 	$(PYTHON) -m scripts.bench $(BENCH_ARGS)
 
 # Multi-seed study of BAPO against fixed clipping on stale data (EXPERIMENT_ARGS=--task cover).
 experiment: setup
-	$(PYTHON) -m scripts.experiment $(EXPERIMENT_ARGS)
+	$(PYTHON) -m scripts.experiment study $(EXPERIMENT_ARGS)
+
+# BAPO's pairs on one fixed stale mini-batch in micro-batches of 1 to 8 sequences on 1, 2, 4 ranks.
+sensitivity: setup
+	$(PYTHON) -m scripts.experiment sensitivity $(SENSITIVITY_ARGS)
 
 # Every rank's clip pair per call, and whether the group agrees (DP_ARGS=--no-sync or --group 0,1).
 RANKS ?= 3

@@ -1,4 +1,4 @@
-"""Refuse to test a stale install; the one torchrun driver the launched tests share."""
+"""Refuse to test a stale install; the one driver of the launched checks (``tests.ranks``)."""
 
 import subprocess
 import sys
@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.harness.launch import REPO, rank_records, tail, torchrun
+from scripts.harness.launch import REPO, tail, torchrun
+from tests.ranks import rank_records
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -24,7 +25,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 class Launches:
-    """Launches of the harness's DP worker on checks of a tests/ module, one per key, cached."""
+    """Launches of a check module on torchrun, one per key, cached for the test run."""
 
     def __init__(self, root: Path):
         """Launch outputs go under ``root``."""
@@ -35,13 +36,12 @@ class Launches:
         if key not in self.done:
             out = self.root / key
             out.mkdir()
-            argv = ["checks", "--out", out, "--module", module, "--checks", ",".join(checks)]
             # a hung rank's peers fail within the launch's timeout
-            argv += ["--backend", backend, "--group-timeout", timeout / 3]
+            argv = ["--out", out, "--checks", ",".join(checks), "--backend", backend]
+            argv += ["--group-timeout", timeout / 3]
             for name, value in {"out": out, **options}.items():
                 argv += ["--option", f"{name}={value}"]
-            worker = "scripts.harness.dp_worker"
-            launch = torchrun(nproc, worker, argv, timeout, path=REPO / "tests")
+            launch = torchrun(nproc, module, argv, timeout)
             self.done[key] = (launch, rank_records(out, nproc))
         return self.done[key]
 

@@ -1,27 +1,26 @@
 """BAPO's bound search against independent oracles (single process).
 
 Random cases must choose the same pair, steps and rho as the literal transcription in
-``bapo_reference`` (Algorithm 1, or the authors' loops for ``lower_first``); the paper grid
-reaches its exact ends.
+``tests/oracle.py`` (Algorithm 1, or the authors' loops for ``lower_first``); the paper grid
+reaches its exact ends; bounds meet 16-bit ratios as ``torch.clamp`` compares them.
 """
 
 import math
 import random
 from collections import Counter
-from decimal import Decimal
+from fractions import Fraction
 
 import pytest
 import torch
 
-import bapo_reference as ref
-from bapo_inputs import RANGE_ARGS, batch, call, point
+from tests import oracle
+from tests.inputs import ORDERS, PAPER_STEPS, RANGE_ARGS, batch, call, point
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 from trinity.algorithm.policy_loss_fn.bapo_search import candidate_grid
 
-ORACLES = {"upper_first": ref.algorithm1, "lower_first": ref.authors_order}
 LOWER_STEPS = (0.01, 0.02, 0.025, 0.03, 0.04, 0.05, 0.07, 0.1, 0.15, 0.2)
 UPPER_STEPS = (0.03, 0.05, 0.07, 0.1, 0.2, 0.25, 0.3, 0.5)
-CASES_PER_COMBO = 50  # 4 combos -> 200 random cases in all
+CASES_PER_ORDER = 100
 
 
 def _random_tokens(rng: random.Random, gen: torch.Generator):
@@ -65,14 +64,19 @@ def _random_range(rng, start, span, cap, steps):
     return start, round(rng.uniform(start, min(start + span, cap)), 2), rng.choice(steps)
 
 
+def _exact(*values):
+    return [Fraction(repr(value)) for value in values]
+
+
 def _divides(start, maximum, step) -> bool:
-    span = Decimal(repr(maximum)) - Decimal(repr(start))
-    return span % Decimal(repr(step)) == 0
+    start, maximum, step = _exact(start, maximum, step)
+    return (maximum - start) % step == 0
 
 
 def _room(start, maximum, step) -> bool:
     """Whether one whole step fits in the range (Algorithm 1's loop condition)."""
-    return Decimal(repr(start)) + Decimal(repr(step)) <= Decimal(repr(maximum))
+    start, maximum, step = _exact(start, maximum, step)
+    return start + step <= maximum
 
 
 def _draw_target(rng, corners):
@@ -91,39 +95,31 @@ def _draw_target(rng, corners):
             return target
 
 
-def _run_case(rng, gen, order, contribution):
+def _run_case(rng, gen, order):
     """One random case: (what the code chose, what the oracle chose, the case) as dicts."""
     logprob, old, mask, adv = _random_tokens(rng, gen)
     lo = _random_range(rng, round(rng.uniform(0.2, 1.0), 2), 0.8, 1.0, LOWER_STEPS)
     a_hi = 1.0 if rng.random() < 0.25 else round(rng.uniform(1.0, 2.0), 2)
     hi = _random_range(rng, a_hi, 2.0, math.inf, UPPER_STEPS)
     if order == "upper_first" and not _room(*lo) and _room(*hi):
-        with pytest.raises(ValueError, match="never adapts"):  # Algorithm 1 would stay put
+        with pytest.raises(ValueError, match="room"):  # Algorithm 1 would stay put
             BAPOPolicyLossFn(**dict(zip(RANGE_ARGS, lo + hi)), search_order=order)
         hi = (hi[0], hi[0], hi[2])  # both points: fixed clipping, which Algorithm 1 accepts
-    clip_ratio_c = rng.choice([3.0, 3.0, None, 2.0])
-    tokens = ref.token_lists(logprob, old, mask, adv)
+    tokens = oracle.token_lists(logprob, old, mask, adv)
     # rho is monotone in each bound, so the corners span its range over the box. Targets drawn
     # over (and a little past) that span give every outcome: met at once, mid-path, never met.
-    rule = (contribution, clip_ratio_c)
-    corners = [ref.rho(tokens, c_lo, c_hi, *rule) for c_lo in lo[:2] for c_hi in hi[:2]]
-    target = _draw_target(rng, corners)
-    low, high, steps = ORACLES[order](tokens, *lo, *hi, target, *rule)
-    rho = ref.rho(tokens, low, high, *rule)
-    expected = dict(clip_low=low, clip_high=high, steps=steps, rho=rho, met=rho >= target)
-    fn = BAPOPolicyLossFn(
-        **dict(zip(RANGE_ARGS, lo + hi)),
-        positive_contribution_target=target,
-        search_order=order,
-        contribution=contribution,
-        clip_ratio_c=clip_ratio_c,
-    )
-    _, m = call(fn, logprob, old, mask, adv)
+    corners = [oracle.rho(tokens, c_lo, c_hi) for c_lo in lo[:2] for c_hi in hi[:2]]
+    kwargs = dict(zip(RANGE_ARGS, lo + hi), positive_contribution_target=_draw_target(rng, corners))
+    kwargs["search_order"] = order
+    low, high, steps = oracle.search(tokens, kwargs)
+    rho = oracle.rho(tokens, low, high)
+    met = rho >= kwargs["positive_contribution_target"]
+    expected = dict(clip_low=low, clip_high=high, steps=steps, rho=rho, met=met)
+    _, m = call(BAPOPolicyLossFn(**kwargs), logprob, old, mask, adv)
     keys = ("clip_low", "clip_high", "search_steps", "positive_contribution", "target_met")
     got = dict(zip(expected, (m[f"bapo_{key}"] for key in keys)))
-    on_edge = any(r in (lo[0], lo[1], hi[0], hi[1]) for r, a, _, _ in tokens if a != 0)
-    info = dict(lower=lo, upper=hi, target=target, clip_ratio_c=clip_ratio_c, on_a_bound=on_edge)
-    return got, expected, info
+    on_edge = any(r in (lo[0], lo[1], hi[0], hi[1]) for r, a in tokens if a != 0)
+    return got, expected, dict(kwargs, lower=lo, upper=hi, on_a_bound=on_edge)
 
 
 def _tally(outcomes: Counter, shapes: Counter, expected, info) -> None:
@@ -144,15 +140,14 @@ def _tally(outcomes: Counter, shapes: Counter, expected, info) -> None:
             shapes[f"{name}_divides" if _divides(start, maximum, step) else f"{name}_odd"] += 1
 
 
-@pytest.mark.parametrize("contribution", ["surrogate", "gradient"])
-@pytest.mark.parametrize("order", ["upper_first", "lower_first"])
-def test_search_matches_literal_transcription(order, contribution):
-    seed = {"upper_first": 100, "lower_first": 200}[order] + len(contribution)
+@pytest.mark.parametrize("order", ORDERS)
+def test_search_matches_literal_transcription(order):
+    seed = {"upper_first": 100, "lower_first": 200}[order]
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     outcomes, shapes = Counter(), Counter()
-    for case in range(CASES_PER_COMBO):
-        got, expected, info = _run_case(rng, gen, order, contribution)
+    for case in range(CASES_PER_ORDER):
+        got, expected, info = _run_case(rng, gen, order)
         assert got["rho"] == pytest.approx(expected["rho"], rel=1e-12, abs=1e-15), info
         assert {**got, "rho": 0} == {**expected, "rho": 0}, f"case {case}: {info}"
         _tally(outcomes, shapes, expected, info)
@@ -162,52 +157,73 @@ def test_search_matches_literal_transcription(order, contribution):
     for kind in ("point", "divides", "odd"):
         assert shapes[f"lower_{kind}"] >= 2 and shapes[f"upper_{kind}"] >= 2, shapes
     assert shapes["ratio_on_a_bound"] >= 3, shapes
-    if contribution == "gradient":  # raising c_low raises rho only under this definition
-        assert outcomes["met_after_c_low_moved"] >= 3, outcomes
-    elif order == "upper_first":  # Eq. 8: raising c_low lowers rho, so that phase never helps
+    if order == "upper_first":  # Eq. 8: raising c_low lowers rho, so that phase never helps
         assert outcomes["met_after_c_low_moved"] == 0, outcomes
 
 
-def test_candidate_grid_is_exact_never_overshoots_and_caps_only_when_asked():
-    c = 0.6  # the motivating trap: stepping a float by 0.02 from 0.6 stops short of 0.9
-    while c + 0.02 <= 0.9:
-        c += 0.02
-    assert c < 0.89  # 0.8800000000000002: the naive loop never reaches 0.9
-    grid = candidate_grid(0.6, 0.9, 0.02, cap_at_max=False)
-    assert grid[-1] == 0.9 and len(grid) == 16
-    assert grid == [float(Decimal("0.6") + k * Decimal("0.02")) for k in range(16)]
-    assert candidate_grid(0.6, 0.9, 0.02, cap_at_max=True) == grid  # the maximum is on it
-    assert candidate_grid(0.6, 0.9, 0.07, cap_at_max=False) == [0.6, 0.67, 0.74, 0.81, 0.88]
-    assert candidate_grid(0.6, 0.9, 0.07, cap_at_max=True) == [0.6, 0.67, 0.74, 0.81, 0.88, 0.9]
-    assert candidate_grid(1.2, 3.0, 0.05, cap_at_max=False)[-1] == 3.0
-    assert len(candidate_grid(1.2, 3.0, 0.05, cap_at_max=False)) == 37
-    assert candidate_grid(0.8, 0.8, 0.05, cap_at_max=True) == [0.8]
+@pytest.mark.parametrize(
+    "name, start, maximum, step, length",
+    [("ratio_lower", 0.6, 0.9, 0.02, 16), ("ratio_upper", 1.2, 3.0, 0.05, 37)],
+)
+def test_the_paper_grids_land_on_the_written_values(name, start, maximum, step, length):
+    """0.6 + 15 x 0.02 is 0.9 and 1.2 + 36 x 0.05 is 3.0, as written, not their float sums."""
+    naive = start
+    while naive + step <= maximum:
+        naive += step
+    assert naive != maximum  # the float trap: a naive loop stops short of, or just under, it
+    want = [float(Fraction(repr(start)) + k * Fraction(repr(step))) for k in range(length)]
+    for cap in (False, True):  # the maximum is on the grid: the cap adds nothing
+        assert candidate_grid(name, start, maximum, step, 0.0, math.inf, cap) == want
+    assert want[-1] == maximum and len(want) == length
+    fn = BAPOPolicyLossFn()
+    assert (fn.lower if name == "ratio_lower" else fn.upper) == want
 
 
-@pytest.mark.parametrize("order", ["upper_first", "lower_first"])
-@pytest.mark.parametrize("contribution", ["surrogate", "gradient"])
+def test_a_16_bit_ratio_meets_the_bounds_as_torch_clamp_rounds_them():
+    """bfloat16 holds 1.2 as 1.203125: a ratio of exactly that is on the bound, not above it.
+
+    The target lies between rho with the rounded bound and rho with 1.2 itself, so a search
+    comparing against unrounded bounds would raise c_high where the loss clips nothing.
+    """
+    bf16 = torch.bfloat16
+    ratio = torch.tensor([1.2, 1.0], dtype=bf16)
+    assert ratio[0].item() == 1.203125
+    logprob, old = ratio.log(), torch.zeros(2, dtype=bf16)
+    adv, mask = torch.tensor([1.0, -1.0], dtype=bf16), torch.ones(2)
+    tokens = list(zip(torch.exp(logprob - old).tolist(), adv.tolist()))  # as the loss sees them
+    assert tokens[0] == (1.203125, 1.0)
+    rounded = lambda bound: torch.tensor(float(bound), dtype=bf16).item()  # noqa: E731
+    rho_rounded, rho_written = oracle.rho(tokens, rounded(0.6), rounded(1.2)), oracle.rho(
+        tokens, 0.6, 1.2
+    )
+    target = (rho_rounded + rho_written) / 2
+    assert rho_written < target < rho_rounded
+    kwargs = dict(BAPOPolicyLossFn.default_args(), positive_contribution_target=target)
+    want = oracle.search(tokens, kwargs, bound=rounded)
+    _, m = call(BAPOPolicyLossFn(**kwargs), logprob, old, mask, adv)
+    assert want == (0.6, 1.2, 0) != oracle.search(tokens, kwargs)
+    assert (m["bapo_clip_low"], m["bapo_clip_high"], m["bapo_search_steps"]) == want
+    assert m["bapo_positive_contribution"] == pytest.approx(rho_rounded, rel=1e-6)
+
+
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize(
     "advantages, target, rho_below",
     [("all_negative", 0.4, 0.0), ("one_small_positive", 0.4, 0.4), ("mixed_signs", 1.0, 1.0)],
 )
-def test_paper_grid_reaches_exact_maxima_in_51_steps(
-    order, contribution, advantages, target, rho_below
-):
+def test_paper_grid_reaches_exact_maxima_in_51_steps(order, advantages, target, rho_below):
     """All advantages negative (rho 0), all but one small one, or target 1 with mixed signs."""
     logprob, old, mask, adv = batch((4, 32), seed=7, spread=0.01)
-    # Ratios in (0.95, 1.05): every negative token carries weight under both definitions.
     assert ((logprob - old).exp() - 1).abs().max() < 0.05
     if advantages != "mixed_signs":
         adv = -adv.abs() - 0.1
     if advantages == "one_small_positive":
         adv[0, 0] = 0.01
-    fn = BAPOPolicyLossFn(  # the paper's Sec. 5.1 grid
-        positive_contribution_target=target, search_order=order, contribution=contribution
-    )
+    fn = BAPOPolicyLossFn(positive_contribution_target=target, search_order=order)
     _, m = call(fn, logprob, old, mask, adv)
     assert m["bapo_clip_low"] == 0.9  # exactly, not 0.88 or 0.8999...
     assert m["bapo_clip_high"] == 3.0
-    assert m["bapo_search_steps"] == 36 + 15 == 51
+    assert m["bapo_search_steps"] == PAPER_STEPS == 51
     assert m["bapo_target_met"] == 0.0
     rho = m["bapo_positive_contribution"]
     assert (rho == 0.0) if rho_below == 0.0 else (0.0 < rho < rho_below)
@@ -223,8 +239,9 @@ def test_half_precision_ratio_that_underflows_stays_on_its_side():
     old = torch.full_like(logprob, -1.0)
     adv = torch.tensor([[1.0, -1.0, -0.2]])
     mask = torch.ones_like(logprob, dtype=torch.bool)
-    tokens = ref.token_lists(logprob.double(), old.double(), mask, adv.double())
-    want = ref.rho(tokens, 0.6, 1.2, "surrogate")
+    want = oracle.rho(
+        oracle.token_lists(logprob.double(), old.double(), mask, adv.double()), 0.6, 1.2
+    )
     half = [t.half() for t in (logprob, old, adv)]
     assert torch.exp(half[0] - half[1])[0, 1] == 0  # the case really underflows
     _, metrics = call(BAPOPolicyLossFn(**point(0.6, 1.2)), half[0], half[1], mask, half[2])

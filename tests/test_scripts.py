@@ -1,24 +1,27 @@
-"""The scripts end to end, short, and the harness pieces they rest on, by hand-worked examples."""
+"""The scripts end to end, short, each held to a value computed apart from them."""
 
 import json
-import math
 import subprocess
 import sys
 
 import pytest
 import torch
 
-import bapo_reference as ref
+from scripts.bench import SIZES, TARGETS, bench_cuda, verdict
 from scripts.harness import report, tasks
-from scripts.harness.cases import PAPER, bench_batch
+from scripts.harness.cases import PAPER, authors_loop, bench_batch
 from scripts.harness.launch import REPO
 from scripts.harness.model import build_model, sample_responses
+from scripts.harness.variants import variant
+from tests import oracle
 
 DEMO_STEPS = 6
 CALLS_PER_STEP = 4  # the demo's 2 epochs x 1 mini-batch x 2 micro-batches
+LOWER, UPPER = len(range(60, 91, 2)), len(range(120, 301, 5))  # the paper grid's 16 and 37
+FIXED = ("ppo", "ppo_clip_higher", "bapo_fixed_start")  # variants whose pair never moves
 
 
-def run_module(module: str, *argv, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_module(module: str, *argv, timeout: int = 900) -> subprocess.CompletedProcess:
     """Run a module from the repo root, as the Makefile runs it."""
     cmd = [sys.executable, "-m", module, *map(str, argv)]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
@@ -29,82 +32,43 @@ def last_json(done: subprocess.CompletedProcess) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def all_finite(value) -> bool:
-    """Tell whether every number in a JSON value is finite (None allowed)."""
-    if isinstance(value, dict):
-        return all(all_finite(v) for v in value.values())
-    if isinstance(value, list):
-        return all(all_finite(v) for v in value)
-    return not isinstance(value, float) or math.isfinite(value)
+def expected(batches, order: str, target=PAPER["positive_contribution_target"]):
+    """The oracle's (c_low, c_high, steps) and rho on the union of ``batches``."""
+    fields = ("logprob", "old_logprob", "action_mask", "advantages")
+    tokens = [t for b in batches for t in oracle.token_lists(*(b[k] for k in fields))]
+    kwargs = dict(PAPER, search_order=order, positive_contribution_target=target)
+    pair = list(oracle.search(tokens, kwargs))
+    return pair, oracle.rho(tokens, *pair[:2])
+
+
+def assert_choice(got, batches, order: str):
+    """``got`` (c_low, c_high, steps[, rho]) is the oracle's on ``batches``."""
+    pair, rho = expected(batches, order)
+    assert list(got[:3]) == pair
+    assert len(got) == 3 or got[3] == pytest.approx(rho, rel=1e-5)
+
+
+def call_ends(rows, name: str) -> dict:
+    """A BAPO run's calls by how they ended, and its lower phase, counted from its metrics."""
+    args = variant(name).args
+    last = [args["ratio_lower_max"], args["ratio_upper_max"]]
+    calls = [c for r in rows for c in zip(r["pairs"], r["search_steps"], r["target_met"])]
+    ends = [0 if steps == 0 else 1 if met else 2 for _, steps, met in calls]
+    assert all(pair == last for (pair, _, _), end in zip(calls, ends) if end == 2)
+    shares = [ends.count(k) / len(ends) for k in range(3)]
+    if "lower_grew" not in rows[0]:  # no lower phase but under upper_first with room for it
+        return {"shares": shares, "lower_phase": None}
+    raised = [(p, g) for r in rows for p, g in zip(r["pairs"], r["lower_grew"])]
+    raised = [(p, g) for p, g in raised if p[0] > args["ratio_lower_start"]]
+    assert all(g is not None for _, g in raised)  # the trainer followed each raise
+    phase = {"calls": len(calls), "entered": len(raised), "grew": sum(g for _, g in raised)}
+    phase["ran_to_b_minus"] = sum(p[0] == last[0] for p, _ in raised)
+    return {"shares": shares, "lower_phase": phase}
 
 
 def docs_files() -> dict:
     """Each file under docs/ with its size and modification time."""
-    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in (REPO / "docs").rglob("*")}
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out, before = tmp_path_factory.mktemp("demo"), docs_files()
-    done = run_module("scripts.demo", "--steps", DEMO_STEPS, "--out", out)
-    return out, last_json(done), before == docs_files(), done.stdout
-
-
-def test_demo_writes_only_its_out_folder_and_reports_progress(demo):
-    _, _, docs_untouched, stdout = demo
-    assert docs_untouched, "the demo changed docs/ without --update-docs"
-    for name in ("ppo_clip_higher", "bapo_paper"):
-        assert f"[{name}] step 1/{DEMO_STEPS}  reward" in stdout, stdout[-2000:]
-
-
-def test_demo_trains_both_variants_through_the_engine_with_agreeing_ranks(demo):
-    out, result, _, _ = demo
-    assert result["ranks_agree"] is True and result["dp_group_forwarded"] is True
-    assert all_finite(result) and (out / "report.png").stat().st_size > 10_000
-    for name in ("ppo_clip_higher", "bapo_paper"):
-        rows = report.load_rows(out / name / "metrics.jsonl")
-        assert [r["step"] for r in rows] == list(range(DEMO_STEPS))
-        assert all(len(r["pairs"]) == CALLS_PER_STEP and r["ranks_agree"] for r in rows)
-        assert 0.0 < result[name]["final_entropy"] <= math.log(tasks.VOCAB_SIZE) + 1e-6
-        # with no lag yet, the engine's log-probs of the sampled tokens are the sampler's own
-        assert rows[0]["lag"] == 0 and rows[0]["logprob_layout_err"] < 1e-4
-        assert all(r["logprob_layout_err"] is None for r in rows if r["lag"] > 0)
-
-
-def test_demo_bapo_stays_in_the_paper_ranges_and_ppo_is_fixed(demo):
-    out, _, _, _ = demo
-    bapo = report.load_rows(out / "bapo_paper" / "metrics.jsonl")
-    ppo = report.load_rows(out / "ppo_clip_higher" / "metrics.jsonl")
-    assert bapo[0]["rollout_reward"] == ppo[0]["rollout_reward"]  # same seeds, same rollout
-    for row in bapo:
-        assert all(0.6 <= low <= 0.9 and 1.2 <= high <= 3.0 for low, high in row["pairs"])
-        assert row["rho_surrogate"] == pytest.approx(row["rho"], abs=1e-6)  # Eq. 8 cross-check
-    assert all(pair == [0.8, 1.28] for row in ppo for pair in row["pairs"])
-
-
-def test_quick_study_trains_every_run_and_writes_its_reports(tmp_path):
-    before = docs_files()
-    done = run_module("scripts.experiment", "--quick", "--out", tmp_path)
-    result = last_json(done)
-    assert before == docs_files(), "the study changed docs/ without --update-docs"
-    assert result["runs_finished"] == 6 * 2 * 2 and all_finite(result)
-    # every launch reports each run's first and last step, and the study each launch's end
-    launches = [f"{level}/seed{seed}" for level in ("near_on_policy", "stale") for seed in (0, 1)]
-    for tag in launches:
-        for name in ("ppo", "bapo_paper", "bapo_authors"):
-            for step in (1, result["steps"]):
-                assert f"[{tag} {name}] step {step}/{result['steps']}  " in done.stdout, tag
-    assert done.stdout.count(" launches ended in ") == len(launches)
-    for name in ("table.md", "summary.json", "report.png"):
-        assert (tmp_path / name).stat().st_size > 0
-    paths = list(tmp_path.glob("*/seed*/*/metrics.jsonl"))
-    assert len(paths) == result["runs_finished"]
-    for path in paths:
-        rows = report.load_rows(path)
-        assert len(rows) == result["steps"], path
-        assert all(r["dp_group_forwarded"] and all_finite(r) for r in rows), path
-        if path.parts[-2] in ("ppo", "ppo_clip_higher", "bapo_fixed_start"):
-            assert not any(r["moved"] for r in rows), path
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in (REPO / "docs").glob("*.png")}
 
 
 @pytest.fixture(scope="module")
@@ -113,96 +77,167 @@ def bench():
     return done, last_json(done)
 
 
-@pytest.mark.parametrize(
-    "key, value, want",
-    [
-        ("bapo_over_ppo_loss", 1.9, "PASS"),  # goal 2.0, hard limit 3.0, lower is better
-        ("bapo_over_ppo_loss", 2.5, "MISS (within the hard limit)"),
-        ("bapo_over_ppo_loss", 3.1, "MISS (past the hard limit)"),
-        ("speedup_vs_literal_loop", 3.5, "PASS"),  # goal 3.0, hard limit 2.0, higher is better
-        ("speedup_vs_literal_loop", 2.5, "MISS (within the hard limit)"),
-        ("speedup_vs_literal_loop", 1.5, "MISS (past the hard limit)"),
-        ("collectives_per_call", 1, "PASS"),  # must equal 1
-        ("collectives_per_call", 2, "MISS"),
-        ("collectives_per_call", None, "MISS"),  # not measured
-    ],
-)
-def test_bench_verdict_hand_examples(key, value, want):
-    from scripts.bench import verdict
+def test_bench_pairs_are_the_oracles_on_the_bench_inputs(bench):
+    _, result = bench
+    assert_choice(result["pair"], [bench_batch(SIZES["quick"]["shape"], seed=0)], "upper_first")
+    # the 4 DP ranks each hold one row of 1,024 tokens: every rank takes the union's pair
+    union = [bench_batch((1, SIZES["quick"]["dp_tokens"]), seed=1000 + r) for r in range(4)]
+    assert result["dp"]["ranks_agree"] is True and result["same_pair"] is True
+    assert_choice(result["dp"]["pairs"]["loss"], union, "upper_first")
+    assert_choice(result["dp"]["pairs"]["authors"], union, "lower_first")
+    assert_choice(result["dp"]["pairs"]["ours"], union, "lower_first")
 
-    assert verdict(key, value) == want
+
+def test_bench_dp_call_is_one_all_reduce_and_the_baseline_one_per_candidate(bench):
+    _, result = bench
+    collectives = result["dp"]["collectives"]
+    assert result["collectives_per_call"] == 1  # a fresh loss's first call
+    # two sums in each bin the 16 + 37 bounds and 0 cut, the failure flag, the non-finite count
+    assert result["all_reduce_values_per_call"] == 2 * (LOWER + UPPER + 2) + 2
+    assert collectives["loss_unsynced"] == 0
+    # the authors' loop reads rho at each of the 16 lower bounds, then at each of the 37 upper
+    assert collectives["authors"] == LOWER + UPPER
 
 
 def test_bench_prints_every_figure_with_the_verdict_of_its_value(bench):
     done, result = bench
-    from scripts.bench import TARGETS, verdict
-
-    assert result["errors"] == {}
     summary = done.stdout.split("## Summary", 1)[1].splitlines()[1 : 1 + len(TARGETS)]
     for line, (key, (label, _, _, _)) in zip(summary, TARGETS.items()):
-        value = result[key]
-        assert isinstance(value, (int, float)) and math.isfinite(value), key
         assert line.split()[: len(label.split())] == label.split(), line
-        assert line.endswith(verdict(key, value)) and f"{value:.2f}" in line, line
-    if not torch.cuda.is_available():
-        assert "## CUDA: skipped, no CUDA device" in done.stdout
+        assert line.endswith(verdict(key, result[key])) and f"{result[key]:.2f}" in line, line
+    met = all(verdict(key, result[key]) == "PASS" for key in TARGETS)
+    assert result["all_targets_met"] is met
+    medians = result["dp"]["median_s"]
+    assert result["dp_speedup_vs_per_candidate_allreduce"] == pytest.approx(
+        medians["authors"] / medians["ours"]
+    )
 
 
-def test_bench_dp_call_is_one_all_reduce_of_header_and_candidates(bench):
-    _, result = bench
-    assert result["collectives_per_call"] == 1
-    # header (failed ranks, 3 fingerprint lanes and their squares) + 37 upper (1.2..3.0)
-    # + 16 lower (0.6..0.9) + the non-finite count
-    assert result["all_reduce_values_per_call"] == 1 + 3 + 3 + 37 + 16 + 1
-    assert result["checks"]["dp_collectives"]["loss_unsynced"] == 0
-    assert result["checks"]["dp_collectives"]["literal"] == 52  # one per pair on the path
-    assert result["same_pair"] is True and result["bapo_search_steps"] == 51
+def test_bench_verdict_hand_examples():
+    within, past = "MISS (within the hard limit)", "MISS (past the hard limit)"
+    # goal 2.0, hard limit 3.0, lower is better
+    assert [verdict("bapo_over_ppo_loss", v) for v in (1.9, 2.5, 3.1)] == ["PASS", within, past]
+    # goal 10, hard limit 5, higher is better
+    speedups = [verdict("dp_speedup_vs_per_candidate_allreduce", v) for v in (12, 7, 4)]
+    assert speedups == ["PASS", within, past]
+    # must equal 1; None: not measured
+    assert [verdict("collectives_per_call", v) for v in (1, 2, None)] == ["PASS", "MISS", "MISS"]
 
 
 @pytest.mark.parametrize("seed,negative_share", [(0, 0.85), (1, 0.5), (2, 0.2)])
-def test_bench_baseline_walks_algorithm1(seed, negative_share):
-    from scripts.harness.cases import literal_search
-
+def test_authors_loop_baseline_takes_the_oracles_lower_first_pairs(seed, negative_share):
     batch = bench_batch((4, 128), seed=seed, negative_share=negative_share)
-    tokens = ref.token_lists(
-        batch["logprob"], batch["old_logprob"], batch["action_mask"], batch["advantages"]
-    )
-    ratio = torch.exp(torch.clamp(batch["logprob"] - batch["old_logprob"], -20.0, 20.0))
-    # A target halfway between rho at upper steps 4 and 5: the walk must stop at step 5.
-    rho4, rho5 = (ref.rho(tokens, 0.6, 1.2 + 0.05 * k, "surrogate") for k in (4, 5))
-    for target in ((rho4 + rho5) / 2, 1.0, 0.0):
-        grid = dict(PAPER, positive_contribution_target=target)
-        want = ref.algorithm1(tokens, 0.6, 0.9, 0.02, 1.2, 3.0, 0.05, target, "surrogate")
-        assert literal_search(ratio, batch["advantages"], batch["action_mask"], grid) == want
+    ratio = torch.exp(batch["logprob"] - batch["old_logprob"])  # |log r| is far below the clamp
+    tokens = oracle.token_lists(*batch.values())
+    # Eq. 8's rho falls as c_low rises and grows with c_high: the walk raises c_low to 0.9, then
+    # stops at the first upper candidate past the target
+    start = oracle.rho(tokens, 0.6, 1.2)
+    upper = [oracle.rho(tokens, 0.9, 1.2 + 0.05 * k) for k in range(UPPER)]
+    k = next(k for k, r in enumerate(upper) if r > start)
+    targets = {(upper[k] + upper[k + 1]) / 2: LOWER + k, start * (1 - 1e-6): 0, 1.0: 51}
+    for rho0, steps in targets.items():
+        pair, _ = expected([batch], "lower_first", rho0)
+        assert pair[2] == steps
+        grid = dict(PAPER, positive_contribution_target=rho0)
+        assert list(authors_loop(ratio, batch["advantages"], batch["action_mask"], grid)) == pair
 
 
-def test_cuda_figures_run_their_code_path_on_cpu():
-    from scripts.bench import bench_cuda
-
+def test_cuda_part_on_cpu_takes_the_oracles_pair():
     result = bench_cuda(quick=True, device="cpu")
-    for key in ("bapo_over_ppo_fwd", "bapo_over_ppo_fwd_bwd", "search_ms"):
-        assert result[key] and all(v > 0 and math.isfinite(v) for v in result[key].values())
-    assert math.isfinite(result["step_overhead_share"])
+    assert_choice(result["pairs"][4096], [bench_batch((4, 1024), seed=0)], "upper_first")
+    assert all(v > 0 for v in result["search_ms"].values())
 
 
-def test_stop_reward_hand_examples():
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out, before = tmp_path_factory.mktemp("demo"), docs_files()
+    done = run_module("scripts.experiment", "demo", "--steps", DEMO_STEPS, "--out", out)
+    return out, last_json(done), before == docs_files(), done.stdout
+
+
+def test_demo_trains_both_through_the_engine_with_agreeing_ranks_and_counts_bapo_ends(demo):
+    out, result, docs_untouched, stdout = demo
+    assert docs_untouched, "the demo changed docs/ without --update-docs"
+    assert result["ranks_agree"] is True and result["dp_group_forwarded"] is True
+    for name in ("ppo_clip_higher", "bapo_paper"):
+        assert f"[{name}] step 1/{DEMO_STEPS}  reward" in stdout, stdout[-2000:]
+        rows = report.load_rows(out / name / "metrics.jsonl")
+        assert [r["step"] for r in rows] == list(range(DEMO_STEPS))
+        assert all(len(r["pairs"]) == CALLS_PER_STEP and r["ranks_agree"] for r in rows)
+    bapo = report.load_rows(out / "bapo_paper" / "metrics.jsonl")
+    ppo = report.load_rows(out / "ppo_clip_higher" / "metrics.jsonl")
+    assert bapo[0]["rollout_reward"] == ppo[0]["rollout_reward"]  # same seeds, same rollout
+    for row in bapo:
+        assert all(0.6 <= low <= 0.9 and 1.2 <= high <= 3.0 for low, high in row["pairs"])
+        assert row["rho_surrogate"] == pytest.approx(row["rho"], abs=1e-6)  # Eq. 8 apart
+    assert all(pair == [0.8, 1.28] for row in ppo for pair in row["pairs"])
+    shares = [result["bapo_paper"][key] for key in report.OUTCOMES]
+    assert shares == pytest.approx(call_ends(bapo, "bapo_paper")["shares"])
+    assert sum(shares) == result["bapo_paper"]["outcome_sum"] == pytest.approx(1.0)
+
+
+def test_small_study_trains_every_run_and_counts_how_bapo_calls_ended(tmp_path):
+    before = docs_files()
+    argv = ("study", "--steps", 3, "--seeds", 1, "--out", tmp_path)
+    done = run_module("scripts.experiment", *argv)
+    result = last_json(done)
+    assert before == docs_files(), "the study changed docs/ without --update-docs"
+    assert result["runs_finished"] == 5 * 2 and result["steps"] == 3
+    ends = [line for line in done.stdout.splitlines() if " launches ended in " in line]
+    counts = [line.split(": ")[1].split(" in ")[0] for line in ends]
+    assert counts == ["1 of 2 launches ended", "2 of 2 launches ended"]
+    assert ends[-1].endswith("about 0 min left")  # none left after the last
+    for path in tmp_path.glob("*/seed0/*/metrics.jsonl"):
+        level, name = path.parts[-4], path.parts[-2]
+        rows = report.load_rows(path)
+        assert len(rows) == 3 and all(r["dp_group_forwarded"] for r in rows), path
+        if name in FIXED:
+            assert not any(r["moved"] for r in rows), path
+        else:
+            assert all(r["rho_surrogate"] == pytest.approx(r["rho"], abs=1e-6) for r in rows)
+        if name.startswith("bapo"):
+            got, counted = result["variants"][level][name], call_ends(rows, name)
+            assert [got[k]["mean"] for k in report.OUTCOMES] == pytest.approx(
+                counted["shares"], abs=1e-4
+            )
+            assert got["outcome_sum"]["mean"] == pytest.approx(1.0)
+            assert got["lower_phase"] == counted["lower_phase"]
+            assert (got["lower_phase"] is None) is (name != "bapo_paper")  # upper_first, room
+    table = (tmp_path / "table.md").read_text()
+    assert table.count("|\n") == (2 + 2 * 5) + (2 + 2 * 3)  # two tables: all runs, BAPO's calls
+
+
+def test_sensitivity_one_micro_batch_per_rank_is_the_whole_mini_batch_decision(tmp_path):
+    argv = ["--steps", 2, "--sequences", 8, "--ranks", "1,2", "--micro", "2,4,8", "--out", tmp_path]
+    result = last_json(run_module("scripts.experiment", "sensitivity", *argv))
+    splits = {(s["ranks"], s["micro"]): s for s in result["splits"]}
+    assert sorted(splits) == [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4)]  # 4 sequences a rank
+    assert [splits[key]["calls"] for key in sorted(splits)] == [4, 2, 1, 2, 1]
+    assert all(split["ranks_agree"] for split in splits.values())
+    # one micro-batch of the whole mini-batch, or one of each half synced over 2 ranks
+    for key in ((1, 8), (2, 4)):
+        assert splits[key]["same_pair"] == 1.0 and splits[key]["distance"] == 0.0
+    record = json.loads((tmp_path / "ranks1.json").read_text())
+    for split in record["splits"]:
+        lp, old, adv = (torch.tensor(row) for row in split["tokens"])
+        tokens = oracle.token_lists(lp, old, torch.ones_like(lp), adv)
+        assert len(tokens) > 0 and split["reference"] == list(oracle.search(tokens, PAPER)[:2])
+        low, high = split["reference"]
+        mean = sum(abs(a - low) + abs(b - high) for a, b in split["pairs"]) / len(split["pairs"])
+        assert splits[(1, split["micro"])]["distance"] == pytest.approx(mean)
+
+
+def test_stop_and_cover_rewards_and_group_advantages_hand_examples():
     prompt, eos = [3, 4, 5, tasks.SEP], tasks.EOS
     assert tasks.reward_stop(prompt, [5, 3, 4, eos, 0, 0]) == pytest.approx(1.0)  # any order
     assert tasks.reward_stop(prompt, [3, eos]) == pytest.approx(1 / 3)  # one of three
     assert tasks.reward_stop(prompt, [3, 3, 4, 5, eos]) == pytest.approx(3 / 4)  # one too many
     assert tasks.reward_stop(prompt, [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]) == 0.0  # no EOS
     assert tasks.reward_stop(prompt, [eos]) == 0.0
-
-
-def test_cover_reward_hand_examples():
-    prompt = [3, 4, 5, tasks.SEP]
     assert tasks.reward_cover(prompt, [5, 3, 4]) == pytest.approx(1.0)
     assert tasks.reward_cover(prompt, [3, 9, 9, 4, 5]) == pytest.approx(3 / 5)
     assert tasks.reward_cover(prompt, [3, 4, 9, 9, 9, 9, 9, 9, 9, 9]) == 0.0  # not covered
     assert tasks.reward_cover(prompt, [3, 4, tasks.EOS]) == 0.0  # stopped before covering
-
-
-def test_group_advantages_hand_example():
     adv = tasks.group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.5, 0.5, 0.5]), 3)
     assert adv[:3].tolist() == pytest.approx([2 / 3**0.5, -1 / 3**0.5, -1 / 3**0.5], rel=1e-5)
     assert adv[3:].tolist() == [0.0, 0.0, 0.0]  # equal rewards: no signal

@@ -1,8 +1,7 @@
-"""The paper's grid, a micro-batch that never meets it, and Eq. 8 at one pair (bench, trainer).
+"""The paper's grid, a micro-batch that never meets it, Eq. 8 at a pair, and the two searches.
 
-``surrogate_sums`` and the per-candidate search built on it are the baseline the bench times
-BAPO's one-pass search against, and the rho the trainer logs for fixed-clip variants. The test
-oracle (tests/bapo_reference.py) is written apart from both.
+``authors_loop``, the authors' per-candidate search, is the baseline the bench times
+``product_search``, BAPO's own bins and walk, against.
 """
 
 from fractions import Fraction
@@ -11,21 +10,22 @@ from typing import Any, Dict, Tuple
 import torch
 
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
+from trinity.algorithm.policy_loss_fn.bapo_search import decide
+from trinity.algorithm.policy_loss_fn.bapo_sync import all_reduce_bins
 
-# The paper's Sec. 5.1 grid and target, BAPO's defaults (tests/test_bapo_config.py checks them)
+# The paper's Sec. 5.1 grid and target: BAPO's defaults
 PAPER: Dict[str, Any] = BAPOPolicyLossFn.default_args()
 RANGE_ARGS = [
     f"ratio_{side}_{part}" for side in ("lower", "upper") for part in ("start", "max", "step")
 ]
+# a call's choice as its metrics report it, in the order ``product_search`` returns it
+CHOICE = [f"bapo_{k}" for k in ("clip_low", "clip_high", "search_steps", "positive_contribution")]
 
 
-def bench_batch(
-    shape: Tuple[int, ...], seed: int, negative_share: float = 0.85, device: Any = "cpu"
-) -> Dict[str, torch.Tensor]:
+def bench_batch(shape, seed: int, negative_share: float = 0.85, device: Any = "cpu") -> Dict:
     """A float32 micro-batch on which the paper's target is never met (the whole 51-step walk).
 
-    85% negative advantages keep rho near 0.15; log-ratio std 0.3 puts tokens on both sides of
-    every bound; the bool mask drops ~10%; advantages have magnitude 0.1..1.1.
+    85% negative advantages keep rho near 0.15; log-ratio std 0.3 spans every bound.
     """
     g = torch.Generator().manual_seed(seed)
     old = -3.0 * torch.rand(shape, generator=g)
@@ -37,12 +37,13 @@ def bench_batch(
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def search_inputs(batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, ...]:
-    """(ratio, advantages, mask, finite) as BAPOPolicyLossFn hands them to the search."""
-    raw = batch["logprob"].detach() - batch["old_logprob"]
-    ratio = torch.exp(torch.clamp(raw, min=-20.0, max=20.0))
-    finite = torch.isfinite(raw + batch["advantages"])
-    return ratio, batch["advantages"], batch["action_mask"], finite
+def product_search(loss_fn: BAPOPolicyLossFn, batch: Dict, group=None) -> Tuple[float, ...]:
+    """The search of ``loss_fn.__call__`` alone, over ``group``: (c_low, c_high, steps, rho)."""
+    bins = loss_fn._prepare(**batch)[3]
+    values = all_reduce_bins(bins, len(bins), group, None)
+    bounds, n_lower = loss_fn.lower + loss_fn.upper, len(loss_fn.lower)
+    i, j, rho = decide(values, bounds, n_lower, loss_fn.target, loss_fn.upper_first)
+    return loss_fn.lower[i], loss_fn.upper[j], i + j, rho
 
 
 def surrogate_sums(ratio, advantages, mask, low: float, high: float) -> torch.Tensor:
@@ -53,15 +54,15 @@ def surrogate_sums(ratio, advantages, mask, low: float, high: float) -> torch.Te
     return torch.stack([positive, negative])
 
 
-def literal_search(ratio, advantages, mask, grid: Dict, all_reduce=None):
-    """The baseline: Algorithm 1 recomputing rho from the tokens at every pair it visits.
+def authors_loop(ratio, advantages, mask, grid: Dict, all_reduce=None) -> Tuple[float, ...]:
+    """The authors' search: raise c_low by its step (capped at b-), then c_high, while rho < rho0.
 
-    Exact rational bounds, so it visits ``BoundSearch``'s pairs, with one host sync and (given
-    ``all_reduce``) one collective per pair. Returns (low, high, steps).
+    rho is recomputed from the tokens at every candidate, with one host sync and (given
+    ``all_reduce``) one collective each. Bounds move by exact decimal steps, as a config writes
+    them. Returns (c_low, c_high, steps).
     """
-    c_low, b_low, d_low, c_high, b_high, d_high = (
-        Fraction(repr(float(grid[k]))) for k in RANGE_ARGS
-    )
+    exact = [Fraction(repr(float(grid[k]))) for k in RANGE_ARGS]
+    c_low, b_low, d_low, c_high, b_high, d_high = exact
     steps, target = 0, grid["positive_contribution_target"]
 
     def share() -> float:
@@ -71,10 +72,10 @@ def literal_search(ratio, advantages, mask, grid: Dict, all_reduce=None):
         positive, negative = pair.tolist()
         return 1.0 if positive + negative == 0 else positive / (positive + negative)
 
-    while share() < target and c_low + d_low <= b_low:
-        if c_high + d_high <= b_high:
-            c_high += d_high
-        else:
-            c_low += d_low
+    while share() < target and c_low < b_low:
+        c_low = min(c_low + d_low, b_low)
+        steps += 1
+    while share() < target and c_high < b_high:
+        c_high = min(c_high + d_high, b_high)
         steps += 1
     return float(c_low), float(c_high), steps

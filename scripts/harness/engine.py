@@ -6,7 +6,7 @@ The engine Trinity's actor trains with runs unchanged on CPU given gloo, eager a
 """
 
 from pathlib import Path
-from typing import Dict, cast
+from typing import Any, Dict, cast
 
 import torch
 from tensordict import TensorDict
@@ -17,36 +17,22 @@ from scripts.harness.model import position_ids_for
 FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 
 
-def build_engine(
-    model_dir: Path,
-    strategy: str = "fsdp2",
-    lr: float = 3e-3,
-    sp_size: int = 1,
-    micro_batch_size: int = 4,
-    seed: int = 0,
-):
+def build_engine(model_dir: Path, strategy="fsdp2", lr=3e-3, sp_size=1, micro_batch_size=4, seed=0):
     """An initialised engine: AdamW, no weight decay, clipping at 1.0, fp32; ``sp_size``: SP."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
+    unpadded = dict(use_remove_padding=sp_size > 1)
+    model: Dict[str, Any] = dict(
+        path=str(model_dir), load_tokenizer=False, enable_gradient_checkpointing=False
+    )
     model_config = HFModelConfig(
-        path=str(model_dir),
-        load_tokenizer=False,
-        override_config={"attn_implementation": "eager"},
-        enable_gradient_checkpointing=False,
-        use_remove_padding=sp_size > 1,
+        **model, **unpadded, override_config={"attn_implementation": "eager"}
     )
-    engine_config = FSDPEngineConfig(
-        strategy=strategy,
-        use_torch_compile=False,
-        use_dynamic_bsz=False,
-        micro_batch_size_per_gpu=micro_batch_size,
-        mixed_precision=FP32,
-        ulysses_sequence_parallel_size=sp_size,
-        use_remove_padding=sp_size > 1,
-        seed=seed,
-    )
+    parts = dict(strategy=strategy, use_torch_compile=False, use_dynamic_bsz=False, seed=seed)
+    parts.update(micro_batch_size_per_gpu=micro_batch_size, ulysses_sequence_parallel_size=sp_size)
+    engine_config = FSDPEngineConfig(**parts, **unpadded, mixed_precision=FP32)
     optimizer_config = FSDPOptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1.0)
     engine = FSDPEngineWithLMHead(model_config, engine_config, optimizer_config, CheckpointConfig())
     engine.initialize()
@@ -55,43 +41,23 @@ def build_engine(
 
 def engine_batch(data: TensorDict, micro_batch_size: int, use_remove_padding=False) -> TensorDict:
     """Add the fields the engine reads: ``len(data) // micro_batch_size`` micro-batches, T = 1."""
+    fixed = dict(use_dynamic_bsz=False, temperature=1.0, calculate_entropy=False)
     tu.assign_non_tensor(
-        data,
-        use_dynamic_bsz=False,
-        micro_batch_size_per_gpu=micro_batch_size,
-        use_remove_padding=use_remove_padding,
-        temperature=1.0,
-        calculate_entropy=False,
-        use_fused_kernels=False,
+        data, **fixed, use_fused_kernels=False, use_remove_padding=use_remove_padding
     )
+    tu.assign_non_tensor(data, micro_batch_size_per_gpu=micro_batch_size)
     return data
 
 
-def trinity_layout(
-    prompts: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    responses: torch.Tensor,
-    response_mask: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    advantages: torch.Tensor,
-) -> TensorDict:
+def trinity_layout(prompts, prompt_mask, responses, response_mask, old_log_probs, advantages):
     """A padded batch converted by Trinity's ``left_right_2_no_padding``, as its trainer does."""
     from trinity.trainer.verl.monkey_patch import left_right_2_no_padding
 
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    data = TensorDict(
-        {
-            "prompts": prompts,
-            "responses": responses,
-            "input_ids": torch.cat([prompts, responses], dim=1),
-            "attention_mask": attention_mask,
-            "position_ids": position_ids_for(attention_mask),
-            "response_mask": response_mask,
-            "old_log_probs": old_log_probs,
-            "advantages": advantages,
-        },
-        batch_size=[prompts.shape[0]],
-    )
+    fields = dict(prompts=prompts, responses=responses, response_mask=response_mask)
+    fields.update(input_ids=torch.cat([prompts, responses], dim=1), attention_mask=attention_mask)
+    fields.update(position_ids=position_ids_for(attention_mask), old_log_probs=old_log_probs)
+    data = TensorDict({**fields, "advantages": advantages}, batch_size=[prompts.shape[0]])
     use_torch_unpad_input()
     return left_right_2_no_padding(data)
 
@@ -103,30 +69,6 @@ def use_torch_unpad_input() -> None:
     import trinity.trainer.verl.monkey_patch as trinity_patch
 
     trinity_patch.unpad_input = _unpad_input
-
-
-def cpu_stand_ins(fsdp1: bool = False, worker: bool = False) -> None:
-    """What a CPU-only machine lacks, and only that (docs/testing.md lists each stand-in).
-
-    ``fsdp1``: FSDP1's check of CPU module states is skipped (gloo broadcasts them fine);
-    ``worker``: Trinity's actor worker builds the engine, and the model, on CPU.
-    """
-    if not hasattr(torch.cpu, "empty_cache"):
-        torch.cpu.empty_cache = lambda: None  # type: ignore[attr-defined]
-    if fsdp1:
-        from torch.distributed.fsdp import _init_utils
-
-        _init_utils._check_module_states_for_sync_module_states = lambda module_states: None
-    if worker:
-        from verl.workers.engine import EngineRegistry
-        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-
-        EngineRegistry.register("language_model", ["fsdp", "fsdp2"], "cpu")(FSDPEngineWithLMHead)
-        counters = ("max_memory_allocated", "max_memory_reserved", "memory_allocated")
-        for name in (*counters, "memory_reserved"):
-            setattr(torch.cpu, name, lambda *args, **kwargs: 0)
-        torch.cuda.get_device_capability = lambda *args, **kwargs: (0, 0)
-        use_torch_unpad_input()
 
 
 def full_state_dict(engine) -> Dict[str, torch.Tensor]:

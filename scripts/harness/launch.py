@@ -1,17 +1,18 @@
-"""The one torchrun launcher (``python -m <module>`` on N ranks, under a timeout), and rank files.
+"""The one torchrun launcher, with pinned numerics (the same figures on any x86-64 machine).
 
-On timeout the launch's whole process group is killed, so no worker outlives its caller. Every
-launch runs with pinned numerics, so that a run gives the same figures on any x86-64 machine.
+On timeout the launch's whole process group is killed, so no worker outlives its caller.
 """
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, NamedTuple, Optional
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[2]
 # The same numbers on any x86-64 machine: ATen's portable kernels rather than those it picks by
@@ -29,26 +30,21 @@ class Launch(NamedTuple):
     seconds: float
 
 
-def torchrun(nproc: int, module: str, argv, timeout_s: float, stdout=None, path=None) -> Launch:
-    """Run ``module`` with ``argv`` on ``nproc`` ranks from the repo root.
-
-    ``stdout``: a file the workers' stdout streams to; ``path``: a ``PYTHONPATH`` folder.
-    """
+def torchrun(nproc: int, module: str, argv, timeout_s: float, stdout=None) -> Launch:
+    """Run ``module`` with ``argv`` on ``nproc`` ranks; ``stdout`` streams it (else ``out``)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={nproc}", "-m", module, *map(str, argv)]
     env = {**os.environ, **PINNED_NUMERICS, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env["HF_HUB_OFFLINE"] = "1"
-    if path is not None:
-        env["PYTHONPATH"] = str(path)
-    started = time.monotonic()
+    started, pipe = time.monotonic(), subprocess.PIPE
     proc = subprocess.Popen(
         cmd,
         cwd=REPO,
         env=env,
+        stdout=stdout or pipe,
+        stderr=pipe,
         text=True,
         start_new_session=True,
-        stdout=stdout or subprocess.PIPE,
-        stderr=subprocess.PIPE,
     )
     try:
         out, err = proc.communicate(timeout=timeout_s)
@@ -60,17 +56,11 @@ def torchrun(nproc: int, module: str, argv, timeout_s: float, stdout=None, path=
     return Launch(code, out or "", err, time.monotonic() - started)
 
 
-def rank_records(out: Path, nproc: int) -> List[Optional[dict]]:
-    """Each rank's JSON record from ``out``, None where a rank wrote none."""
-    paths = [out / f"rank{rank}.json" for rank in range(nproc)]
-    return [json.loads(p.read_text()) if p.exists() else None for p in paths]
-
-
-def write_record(path: Path, record: dict) -> None:
-    """Replace a rank's file in one step, so a killed run never leaves half a JSON."""
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(record, default=str))
-    os.replace(partial, path)
+def gather_rows(row: torch.Tensor) -> list:
+    """Every rank's ``row`` (a vector of one length), as lists."""
+    gathered = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, row)
+    return [g.tolist() for g in gathered]
 
 
 def tail(text: str, lines: int = 40) -> str:

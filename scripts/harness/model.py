@@ -1,7 +1,7 @@
 """The tiny causal LM (a 2-layer Llama built in code, nothing downloaded) and its sampler."""
 
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
@@ -13,18 +13,13 @@ from scripts.harness.tasks import EOS, MAX_POSITIONS, PAD, RESPONSE_LEN, VOCAB_S
 
 def build_model(seed: int, hidden: int = 64) -> LlamaForCausalLM:
     """A fresh random 2-layer Llama; the same ``seed`` gives the same weights."""
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=4,  # as many key-value heads, and untied embeddings: the defaults
-        max_position_embeddings=MAX_POSITIONS,
-        pad_token_id=PAD,
-        bos_token_id=None,
-        eos_token_id=EOS,
-        attn_implementation="eager",  # type: ignore[call-arg]  # taken through **kwargs
+    # 4 heads with as many key-value heads, and untied embeddings: the defaults
+    shape: Dict[str, Any] = dict(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4
     )
+    tokens: Dict[str, Any] = dict(pad_token_id=PAD, bos_token_id=None, eos_token_id=EOS)
+    config = LlamaConfig(vocab_size=VOCAB_SIZE, num_hidden_layers=2, **shape, **tokens)
+    config.max_position_embeddings, config._attn_implementation = MAX_POSITIONS, "eager"
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 
@@ -44,19 +39,10 @@ def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample_responses(
-    model,
-    prompts: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    generator: torch.Generator,
-    goal: Optional[torch.Tensor] = None,
-    response_len: int = RESPONSE_LEN,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample up to ``response_len`` tokens per row at temperature 1.
+def sample_responses(model, prompts, prompt_mask, generator, goal=None, response_len=RESPONSE_LEN):
+    """Right-padded responses, mask, log-probs (as an inference engine reports them), entropy.
 
-    Returns right-padded responses, their mask, each token's log-prob (as an inference engine
-    reports it) and the sampling entropy. A response ends at its first EOS, or once it holds all
-    its ``goal`` tokens.
+    Temperature 1; a response ends at its first EOS, or once it holds all its ``goal`` tokens.
     """
     batch = prompts.shape[0]
     ids, mask = prompts, prompt_mask

@@ -1,10 +1,5 @@
-"""The one loss recorder, put where ``TrinityPolicyLoss`` keeps its policy loss.
+"""The one loss recorder: each call goes to the real loss unchanged, and is noted."""
 
-Each call goes to the real loss unchanged; the recorder notes the group, the metrics and, if
-asked, the inputs (for a driver's oracle). Every other attribute is the real loss's.
-"""
-
-import torch
 import torch.distributed as dist
 
 
@@ -21,25 +16,15 @@ class LossRecorder:
         """Everything else is the real loss's."""
         return getattr(self._inner, name)
 
-    @property
-    def forwarded(self) -> bool:
-        """Whether every call so far received the engine's group."""
-        return all(call["is_engine_group"] for call in self.calls)
-
     def __call__(self, logprob, dp_group=None, **kwargs):
         """Run the real loss, then note its group, metrics and (if kept) inputs."""
         loss, metrics = self._inner(logprob=logprob, dp_group=dp_group, **kwargs)
-        call = {
-            "group_ranks": None if dp_group is None else dist.get_process_group_ranks(dp_group),
-            "is_engine_group": dp_group is self.engine_group,
-            "metrics": {key: float(value) for key, value in metrics.items()},
-        }
+        ranks = None if dp_group is None else dist.get_process_group_ranks(dp_group)
+        call = {"group_ranks": ranks, "is_engine_group": dp_group is self.engine_group}
+        call["metrics"] = {key: float(value) for key, value in metrics.items()}
         if self.keep_inputs:
-            call["inputs"] = {
-                "logprob": logprob.detach().clone(),
-                "old_logprob": kwargs["old_log_probs"],
-                "advantages": kwargs["advantages"],
-                "mask": kwargs["response_mask"].to(torch.int64),
-            }
+            inputs = dict(logprob=logprob.detach().clone(), old_logprob=kwargs["old_log_probs"])
+            inputs.update(advantages=kwargs["advantages"], mask=kwargs["response_mask"].long())
+            call["inputs"] = inputs
         self.calls.append(call)
         return loss, metrics

@@ -1,8 +1,7 @@
 """Two verifiable tasks on which wrong answers are long, and GRPO's group advantages.
 
-A prompt is 2 to 4 distinct content tokens and SEP. Failures run to the length limit, so
-negative advantages ride on more tokens than positive ones: the imbalance BAPO's paper names
-(arXiv 2510.18927, Sec. 3). docs/results.md states both tasks' rules.
+Failures run to the length limit, so negative advantages ride on more tokens than positive
+ones: the imbalance BAPO's paper names (Sec. 3). docs/results.md states both tasks' rules.
 """
 
 from typing import List, Optional, Sequence, Tuple
@@ -77,11 +76,7 @@ def scores(task: str, rows, responses: torch.Tensor, mask: torch.Tensor) -> List
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantages: each reward minus its group's mean, over the group's std plus eps.
-
-    ``rewards`` lists the groups one after another. The std is the unbiased one, as Trinity's
-    GRPO advantage uses; a group with equal rewards gets zero advantage.
-    """
+    """GRPO advantages of consecutive groups: (reward - mean) / (unbiased std + eps), as Trinity."""
     groups = rewards.view(-1, group_size)
     mean, std = groups.mean(dim=1, keepdim=True), groups.std(dim=1, keepdim=True)
     return ((groups - mean) / (std + eps)).reshape(-1)

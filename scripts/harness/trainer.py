@@ -1,16 +1,14 @@
 """The one trainer: GRPO on stale rollouts through verl's ``FSDPEngineWithLMHead``.
 
-Each step, every rank's rollout policy (the engine's weights ``lag`` steps ago) answers its
-prompts; its log-probs of the drawn tokens are the ``old_log_probs``, as in Trinity's async
-mode. The batch, in Trinity's layout, trains ``epochs`` passes of ``mini_batches`` updates, each
-``micro_batches`` calls of ``TrinityPolicyLoss`` with the engine's data-parallel group. Rank 0
-writes one JSON line per step: the reward and entropy of fresh answers, the pairs, rho.
+Each step, every rank's rollout policy (the engine's weights ``lag`` steps ago) answers; its
+log-probs are the ``old_log_probs``, as in Trinity's async mode. The batch trains ``epochs``
+passes of ``mini_batches`` updates of ``micro_batches`` ``TrinityPolicyLoss`` calls each. Rank 0
+writes one JSON line per step: the reward and entropy of fresh answers, each call's pair, rho.
 """
 
 import argparse
 import copy
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -23,12 +21,13 @@ import torch
 import torch.distributed as dist
 
 from scripts.harness.cases import surrogate_sums
-from scripts.harness.dp_worker import gather_rows
 from scripts.harness.engine import build_engine, engine_batch, full_state_dict, trinity_layout
+from scripts.harness.launch import gather_rows
 from scripts.harness.model import build_model, sample_responses, save_model
 from scripts.harness.recorder import LossRecorder
 from scripts.harness.tasks import goal_tokens, group_advantages, left_pad, sample_prompts, scores
 from scripts.harness.variants import Variant, loss_config, variant
+from trinity.algorithm.policy_loss_fn.bapo_policy_loss import LOG_RATIO_CLAMP, BAPOPolicyLossFn
 
 
 class Setting(NamedTuple):
@@ -47,7 +46,7 @@ class Setting(NamedTuple):
 
 
 def rollout(behaviour, gens, setting: Setting):
-    """One step's mini-batches in Trinity's layout, and how negative-heavy the batch is."""
+    """One step's rollout in Trinity's padded fields, and how negative-heavy it is."""
     rows = sample_prompts(setting.prompts, gens["prompts"])
     rows = [r for r in rows for _ in range(setting.group_size)]
     prompts, prompt_mask = left_pad(rows)
@@ -57,53 +56,55 @@ def rollout(behaviour, gens, setting: Setting):
     )
     rewards = torch.tensor(scores(setting.task, rows, responses, mask))
     adv = group_advantages(rewards, setting.group_size)[:, None] * mask
-    size = len(rows) // setting.mini_batches
-    parts = [t.split(size) for t in (prompts, prompt_mask, responses, mask, sampled_lp, adv)]
-    batches = [
-        engine_batch(trinity_layout(*piece), size // setting.micro_batches) for piece in zip(*parts)
-    ]
-    return batches, imbalance(rewards, adv, mask)
-
-
-def imbalance(rewards: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> Dict:
-    """How much of the batch negative advantages carry, by tokens and by |A| mass."""
-    mask = mask.bool()
-    neg, pos = (adv < 0) & mask, (adv > 0) & mask
-    signed = neg.sum() + pos.sum()
-    mass_neg, mass_pos = adv[neg].abs().sum(), adv[pos].sum()
-    lengths, seq_adv = mask.sum(dim=1).float(), adv[:, 0]
-    return {
+    signed = adv[mask.bool() & adv.ne(0)]  # a group with equal rewards carries no sign
+    negative = signed.clamp(max=0).abs().sum()
+    stats = {
         "rollout_reward": rewards.mean().item(),
-        "neg_token_share": (neg.sum() / signed).item() if signed else None,
-        "neg_mass_share": (mass_neg / (mass_neg + mass_pos)).item() if signed else None,
-        "len_pos": lengths[seq_adv > 0].mean().item() if (seq_adv > 0).any() else None,
-        "len_neg": lengths[seq_adv < 0].mean().item() if (seq_adv < 0).any() else None,
-        "truncated_share": (rewards.eq(0) & mask[:, -1]).float().mean().item(),
+        "neg_token_share": signed.lt(0).float().mean().item() if signed.numel() else None,
+        "neg_mass_share": (negative / signed.abs().sum()).item() if signed.numel() else None,
+        "truncated_share": (rewards.eq(0) & mask[:, -1].bool()).float().mean().item(),
     }
+    return (prompts, prompt_mask, responses, mask, sampled_lp, adv), stats
 
 
-def call_figures(calls: List[Dict], run: Variant) -> Dict:
-    """The calls' pairs, rho, moves, clip fraction; Eq. 8 on every rank's tokens as a cross-check.
+def split(fields, sequences: int, micro: int) -> List:
+    """The engine's batches of ``sequences`` rows each, ``micro`` rows per loss call."""
+    parts = zip(*(t.split(sequences) for t in fields))
+    return [engine_batch(trinity_layout(*piece), micro) for piece in parts]
 
-    ``rho_surrogate`` is also the only rho a PPO variant has.
+
+def call_figures(calls: List[Dict], run: Variant, lower: List[float]) -> Dict:
+    """Each call's pair, search steps and target met; Eq. 8 on every rank's tokens apart.
+
+    ``rho_surrogate`` is also the only rho a PPO variant has. ``lower_grew`` (calls that raised
+    c_low above a-): whether rho, recomputed at each pair (c, b+) they passed, grew at a raise.
     """
-    pairs = [list(run.start) for _ in calls]
-    if run.loss == "bapo":
-        pairs = [[c["metrics"]["bapo_clip_low"], c["metrics"]["bapo_clip_high"]] for c in calls]
-    inputs = [c["inputs"] for c in calls]
-    ratios = [(i["logprob"] - i["old_logprob"]).clamp(-20, 20).exp() for i in inputs]
-    parts = zip(ratios, inputs, pairs)
-    sums = torch.stack([surrogate_sums(r, i["advantages"], i["mask"], *p) for r, i, p in parts])
-    dist.all_reduce(sums)
-    eq8 = [1.0 if p + n == 0 else p / (p + n) for p, n in sums.tolist()]
-    rho = [c["metrics"].get("bapo_positive_contribution", r) for c, r in zip(calls, eq8)]
-    return {
-        "pairs": pairs,
-        "rho": sum(rho) / len(calls),
-        "rho_surrogate": sum(eq8) / len(calls),
-        "moved": any(pair != run.start for pair in pairs),
-        "clipfrac": sum(c["metrics"]["pg_clipfrac"] for c in calls) / len(calls),
-    }
+    m = [call["metrics"] for call in calls]
+    bapo, high = run.loss == "bapo", run.args.get("ratio_upper_max", 0.0)  # b+
+    pairs = [[c["bapo_clip_low"], c["bapo_clip_high"]] if bapo else run.start for c in m]
+    sums = []  # per call: (P, N) at its pair, then at (c, b+) for each lower candidate c
+    for pair, i in zip(pairs, (call["inputs"] for call in calls)):
+        ratio = (i["logprob"] - i["old_logprob"]).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+        for low, up in [pair] + [(low, high) for low in lower]:
+            sums.append(surrogate_sums(ratio, i["advantages"], i["mask"], low, up))
+    total = torch.stack(sums)
+    dist.all_reduce(total)  # the same shape on every rank
+    eq8 = [1.0 if p + n == 0 else p / (p + n) for p, n in total.tolist()]
+    width = 1 + len(lower)
+    at_pair = eq8[::width]
+    ladders = [eq8[k * width + 1 : (k + 1) * width] for k in range(len(calls))]
+    rho = [c.get("bapo_positive_contribution", r) for c, r in zip(m, at_pair)]
+    row = {"pairs": pairs, "rho": sum(rho) / len(m), "rho_surrogate": sum(at_pair) / len(m)}
+    row.update(moved=any(p != run.start for p in pairs))
+    row["clipfrac"] = sum(c["pg_clipfrac"] for c in m) / len(m)
+    if bapo:
+        row.update(search_steps=[int(c["bapo_search_steps"]) for c in m])
+        row.update(target_met=[bool(c["bapo_target_met"]) for c in m])
+    if lower:  # rho at each pair (c, b+) the lower phase passed: did it grow at a raise?
+        passed = [rhos[: lower.index(p[0]) + 1] for p, rhos in zip(pairs, ladders)]
+        grew = [any(b > a for a, b in zip(r, r[1:])) for r in passed]
+        row["lower_grew"] = [g if len(r) > 1 else None for g, r in zip(grew, passed)]
+    return row
 
 
 def ranks_agree(pairs: List[List[float]]) -> bool:
@@ -122,59 +123,38 @@ def evaluate(model, eval_set, generator, task: str) -> Dict:
     means = [sum(rewards) / len(rewards), (entropy.sum() / mask.sum()).item()]
     total = torch.tensor(means, dtype=torch.float64)
     dist.all_reduce(total)
-    reward, ent = (total / dist.get_world_size()).tolist()
-    return {"reward": reward, "entropy": ent}
+    return dict(zip(("reward", "entropy"), (total / dist.get_world_size()).tolist()))
 
 
-def fresh_engine(behaviour, setting: Setting, seed: int):
-    """The engine, loaded from a temporary copy of ``behaviour`` (rank 0 writes it)."""
-    folder = [tempfile.mkdtemp(prefix="bapo-model-") if dist.get_rank() == 0 else ""]
-    dist.broadcast_object_list(folder, src=0)
-    try:
+def fresh_engine(behaviour, lr: float, micro: int, seed: int):
+    """The engine, loaded from a temporary copy of ``behaviour`` (rank 0's, which it writes)."""
+    with tempfile.TemporaryDirectory(prefix="bapo-model-") as mine:
+        folder = [mine]
+        dist.broadcast_object_list(folder, src=0)
         save_model(behaviour, Path(folder[0]))
-        micro = setting.prompts * setting.group_size // setting.mini_batches
-        micro //= setting.micro_batches
-        return build_engine(Path(folder[0]), lr=setting.lr, micro_batch_size=micro, seed=seed)
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(folder[0], ignore_errors=True)
+        engine = build_engine(Path(folder[0]), lr=lr, micro_batch_size=micro, seed=seed)
+        dist.barrier()  # every rank has loaded it before rank 0 removes it
+    return engine
 
 
-class Progress(NamedTuple):
-    """Where a run sits in its launch: the tag of its lines, and the launch's steps and time."""
-
-    tag: str  # "" alone, "stale/seed0 " in a study
-    every: int  # steps between progress lines; 0 prints none
-    started: float
-    done_before: int  # steps of the launch's earlier runs
-    total: int
-
-    def line(self, run: str, step: int, steps: int, row: Dict) -> str:
-        """The step, the figures, the launch's minutes so far and an estimate of those left."""
-        minutes, done = (time.time() - self.started) / 60, self.done_before + step + 1
-        figures = "  ".join(f"{key} {row[key]:.3f}" for key in ("reward", "entropy", "rho"))
-        left = minutes * (self.total - done) / done
-        head = f"[{self.tag}{run}] step {step + 1}/{steps}"
-        return f"{head}  {figures}  agree {row['ranks_agree']}  {minutes:.1f} min, {left:.1f} left"
-
-
-def train(run: Variant, seed: int, setting: Setting, out: Path, progress: Progress) -> None:
-    """Train one run on every rank of the default group; rank 0 writes ``out/metrics.jsonl``."""
+def train(run: Variant, seed: int, setting: Setting, out: Path, args) -> None:
+    """Train one run on every rank; rank 0 writes ``metrics.jsonl`` (``--dump``: ``fixed.pt``)."""
     from trinity.trainer.verl.losses import TrinityPolicyLoss
 
     started, rank = time.time(), dist.get_rank()
     behaviour = build_model(seed).eval()  # the rollout copy; the engine holds the policy
     current = copy.deepcopy(behaviour)  # the engine's latest weights, for evaluation
-    engine = fresh_engine(behaviour, setting, seed)
+    sequences = setting.prompts * setting.group_size // setting.mini_batches
+    micro = sequences // setting.micro_batches
+    engine = fresh_engine(behaviour, setting.lr, micro, seed)
     loss_fn = TrinityPolicyLoss(loss_config(run.loss, run.args))
     recorder = LossRecorder(loss_fn, engine.get_data_parallel_group(), keep_inputs=True)
+    upper_first = run.loss == "bapo" and recorder.upper_first and len(recorder.lower) > 1
+    lower = recorder.lower if upper_first else []
     snapshots = deque([copy.deepcopy(behaviour.state_dict())], maxlen=setting.lag + 1)
     # this rank's streams: training prompts and samples, evaluation prompts and samples
-    streams = ("prompts", "sample", "eval_prompts", "eval_sample")
-    gens = {
-        k: torch.Generator().manual_seed(seed * 1000 + 10 * rank + i) for i, k in enumerate(streams)
-    }
+    streams = enumerate(("prompts", "sample", "eval_prompts", "eval_sample"))
+    gens = {k: torch.Generator().manual_seed(seed * 1000 + 10 * rank + i) for i, k in streams}
     eval_rows = sample_prompts(setting.eval_prompts, gens["eval_prompts"])
     eval_set = (eval_rows, *left_pad(eval_rows))
     if rank == 0:
@@ -183,11 +163,11 @@ def train(run: Variant, seed: int, setting: Setting, out: Path, progress: Progre
     for step in range(setting.steps):
         lag = len(snapshots) - 1
         behaviour.load_state_dict(snapshots[0])  # the oldest snapshot kept
-        batches, stats = rollout(behaviour, gens, setting)
+        fields, stats = rollout(behaviour, gens, setting)
         recorder.calls.clear()
         norms = []
-        # One train-mode context per update, as Trinity's actor worker enters it; nothing is
-        # offloaded, so the engine's offload round trip is skipped.
+        # one train-mode context per step, as Trinity's actor worker; nothing is offloaded
+        batches = split(fields, sequences, micro)
         with engine.train_mode(disable_auto_offload=True):
             for _ in range(setting.epochs):
                 for batch in batches:
@@ -196,20 +176,63 @@ def train(run: Variant, seed: int, setting: Setting, out: Path, progress: Progre
         snapshots.append(full_state_dict(engine))
         current.load_state_dict(snapshots[-1])
         row: Dict[str, Any] = {"step": step, "lag": lag, "grad_norm": sum(norms) / len(norms)}
-        row.update(evaluate(current, eval_set, gens["eval_sample"], setting.task))
-        row.update(stats)
-        row.update(call_figures(recorder.calls, run))
-        first = recorder.calls[0]["inputs"]  # with no lag, the engine's log-probs are the sampler's
-        gap = (first["logprob"] - first["old_logprob"])[first["mask"].bool()].abs()
-        row["logprob_layout_err"] = gap.max().item() if lag == 0 and gap.numel() else None
-        row["ranks_agree"] = ranks_agree(row["pairs"])
-        row["dp_group_forwarded"] = recorder.forwarded
+        row.update(evaluate(current, eval_set, gens["eval_sample"], setting.task), **stats)
+        row.update(call_figures(recorder.calls, run, lower))
+        forwarded = all(call["is_engine_group"] for call in recorder.calls)
+        row.update(ranks_agree=ranks_agree(row["pairs"]), dp_group_forwarded=forwarded)
         row["wall_s"] = round(time.time() - started, 2)
         if rank == 0:
             with open(out / "metrics.jsonl", "a") as sink:
                 sink.write(json.dumps(row) + "\n")
-            if progress.every and (step % progress.every == 0 or step == setting.steps - 1):
-                print(progress.line(run.name, step, setting.steps, row), flush=True)
+            if args.log_every and (step % args.log_every == 0 or step == setting.steps - 1):
+                # the launch's minutes so far, and an estimate of those left
+                minutes, done = (time.time() - args.started) / 60, args.done_before + step + 1
+                figures = "  ".join(f"{k} {row[k]:.3f}" for k in ("reward", "entropy", "rho"))
+                head = f"[{args.tag}{run.name}] step {step + 1}/{setting.steps}  {figures}"
+                left = minutes * (args.total - done) / done
+                print(f"{head}  agree {row['ranks_agree']}  {minutes:.1f} min, {left:.1f} left")
+    if args.dump and rank == 0:
+        torch.save({"state": snapshots[-1], "fields": fields}, out / "fixed.pt")
+
+
+def replay(args) -> None:
+    """Call BAPO through the engine on one fixed mini-batch, split over ranks and micro-batches.
+
+    The policy does not move (``infer_batch``), so the splits differ only in what each call sees.
+    Rank 0 writes each call's pair and the reference: the pair on all the tokens in one process.
+    """
+    from trinity.trainer.verl.losses import TrinityPolicyLoss
+
+    fixed, rank, world = torch.load(args.replay), dist.get_rank(), dist.get_world_size()
+    model = build_model(args.seed)
+    model.load_state_dict(fixed["state"])
+    share = args.sequences // world
+    fields = [t[: args.sequences][rank * share : (rank + 1) * share] for t in fixed["fields"]]
+    run, result = variant("bapo_paper"), []
+    engine = fresh_engine(model, args.lr, share, args.seed)
+    loss_fn = TrinityPolicyLoss(loss_config(run.loss, run.args))
+    recorder = LossRecorder(loss_fn, keep_inputs=True)
+    for micro in [m for m in map(int, args.micro.split(",")) if share % m == 0]:
+        recorder.calls.clear()
+        with engine.eval_mode(disable_auto_offload=True):
+            engine.infer_batch(split(fields, share, micro)[0], loss_function=loss_fn)
+        pairs = call_figures(recorder.calls, run, [])["pairs"]
+        keys, inputs = ("logprob", "old_logprob", "advantages"), [
+            c["inputs"] for c in recorder.calls
+        ]
+        mine = [torch.stack([i[k] for k in keys])[:, i["mask"].bool()] for i in inputs]  # live
+        union = [torch.empty(0)] * world
+        dist.all_gather_object(union, torch.cat(mine, 1))
+        tokens = torch.cat(union, 1)
+        alone = BAPOPolicyLossFn(**{**run.args, "sync_across_dp": False})
+        metrics = alone(**dict(zip(keys, tokens)), action_mask=torch.ones_like(tokens[0]))[1]
+        reference = [metrics["bapo_clip_low"], metrics["bapo_clip_high"]]
+        result.append({"micro": micro, "pairs": pairs, "ranks_agree": ranks_agree(pairs)})
+        result[-1].update(reference=reference, tokens=tokens.tolist())
+        if rank == 0:
+            print(f"[{world} ranks] {micro} sequences per call: {len(pairs)} calls")
+    if rank == 0:
+        args.out.write_text(json.dumps({"ranks": world, "splits": result}))
 
 
 def main(argv=None) -> int:
@@ -220,25 +243,27 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
     p.add_argument("--tag", default="", help="names the launch in its progress lines")
-    p.add_argument("--no-sync", action="store_true", help="BAPO with sync_across_dp: false")
+    p.add_argument("--dump", action="store_true", help="save the last rollout and policy")
+    p.add_argument("--replay", type=Path, help="a saved rollout and policy: run replay()")
+    p.add_argument("--sequences", type=int, default=32, help="replay: the mini-batch's size")
+    p.add_argument("--micro", default="1,2,4,8", help="replay: sequences per call and rank")
     for field, value in Setting()._asdict().items():
         p.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
     args = p.parse_args(argv)
     setting = Setting(**{k: getattr(args, k) for k in Setting._fields})
     torch.set_num_threads(1)
-    # A rank that gets no group would choose its own bounds; that warning is fatal here.
-    warnings.filterwarnings("error", message="BAPO: sync_across_dp is on")
     warnings.filterwarnings("ignore", category=UserWarning)
     dist.init_process_group("gloo")
-    names, started = args.variants.split(","), time.time()
-    tag = f"{args.tag} " if args.tag else ""
+    names = args.variants.split(",")
+    args.tag = f"{args.tag} " if args.tag else ""
+    args.started, args.total = time.time(), len(names) * setting.steps
     try:
-        for index, name in enumerate(names):
-            overrides = {"sync_across_dp": False} if args.no_sync and "bapo" in name else {}
-            steps = setting.steps
-            progress = Progress(tag, args.log_every, started, index * steps, len(names) * steps)
-            train(variant(name, **overrides), args.seed, setting, args.out / name, progress)
+        for index, name in enumerate([] if args.replay else names):
+            args.done_before = index * setting.steps
+            train(variant(name), args.seed, setting, args.out / name, args)
             dist.barrier()
+        if args.replay:
+            replay(args)
     finally:
         dist.destroy_process_group()
     return 0

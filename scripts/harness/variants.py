@@ -1,6 +1,6 @@
 """The clipping schemes compared, each a registered Trinity policy loss with its arguments."""
 
-from typing import Dict, List, NamedTuple, Tuple
+from typing import Any, Dict, List, NamedTuple, Tuple
 
 
 class Variant(NamedTuple):
@@ -14,22 +14,16 @@ class Variant(NamedTuple):
 
 
 def loss_config(name: str, args: dict):
-    """Trinity's AlgorithmConfig for policy loss ``name`` with ``args``, nothing else in it."""
+    """Trinity's AlgorithmConfig for ``TrinityPolicyLoss``: ``name`` with ``args``, token-mean."""
     from trinity.common.config import AlgorithmConfig
 
-    return AlgorithmConfig(
-        policy_loss_fn=name,
-        policy_loss_fn_args=dict(args),
-        kl_loss_fn="none",
-        kl_loss_fn_args={},
-        entropy_loss_fn="none",
-        entropy_loss_fn_args={"entropy_coef": 0.0},
-        loss_agg_mode="token-mean",
-    )
+    extras: Dict[str, Any] = dict(kl_loss_fn="none", kl_loss_fn_args={}, entropy_loss_fn="none")
+    extras.update(entropy_loss_fn_args={"entropy_coef": 0.0}, loss_agg_mode="token-mean")
+    return AlgorithmConfig(policy_loss_fn=name, policy_loss_fn_args=dict(args), **extras)
 
 
 def all_variants() -> List[Variant]:
-    """The six variants, in the order the tables list them."""
+    """The five variants, in the order the tables list them."""
     from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 
     authors = dict(search_order="lower_first", positive_contribution_target=0.5)
@@ -38,18 +32,15 @@ def all_variants() -> List[Variant]:
     bapo: List[Tuple[str, str, Dict]] = [
         ("bapo_fixed_start", "ablation: BAPO start pair fixed (0.6, 1.2)", fixed),
         ("bapo_paper", "BAPO, paper defaults", {}),
-        ("bapo_gradient", "BAPO, contribution: gradient", dict(contribution="gradient")),
         ("bapo_authors", "BAPO, authors' settings", authors),
     ]
     ppo = dict(clip_range_low=0.2, clip_range_high=0.2)
     higher = dict(ppo, clip_range_high=0.28)
-    return [
-        Variant("ppo", "PPO (0.8, 1.2)", "ppo", ppo, [0.8, 1.2]),
-        Variant("ppo_clip_higher", "PPO clip-higher (0.8, 1.28)", "ppo", higher, [0.8, 1.28]),
-    ] + [
-        Variant(name, label, "bapo", {**BAPOPolicyLossFn.default_args(), **args}, [0.6, 1.2])
-        for name, label, args in bapo
-    ]
+    rows = [("ppo", "PPO (0.8, 1.2)", "ppo", ppo, [0.8, 1.2])]
+    rows.append(("ppo_clip_higher", "PPO clip-higher (0.8, 1.28)", "ppo", higher, [0.8, 1.28]))
+    defaults = BAPOPolicyLossFn.default_args()
+    rows += [(name, label, "bapo", {**defaults, **a}, [0.6, 1.2]) for name, label, a in bapo]
+    return [Variant(*row) for row in rows]
 
 
 def variant(name: str, **loss_overrides) -> Variant:

@@ -1,0 +1,194 @@
+"""BAPO inside verl 0.8's real FSDP training engine and Trinity's actor worker (CPU, gloo).
+
+The engine splits each rank's batch into micro-batches and calls ``TrinityPolicyLoss`` with its
+own data-parallel group, as in a Trinity job. Every call must receive that group (WORLD, or with
+Ulysses SP the mesh's ``dp`` groups), and every rank of a group must choose the union oracle's
+pair, steps, rho and loss at every call; the controls (sync off, the released ``losses.py``)
+must disagree. The ``worker`` check takes a Trinity YAML through ``load_config``,
+``build_verl_config`` and ``TrinityActorRolloutRefWorker`` to one ``update_actor`` (only Ray is
+bypassed); with ``use_dynamic_bsz`` one rank's longer sequences need more micro-batches, and the
+engine must raise the other's count to match. Two launches: 2 ranks, and 4 for Ulysses.
+"""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from scripts.harness.launch import REPO
+from tests.engine_checks import PHASES
+from tests.inputs import BAPO_METRICS, PAPER_START
+from tests.oracle import compare_to_union, pairs_by_call
+
+LOSSES = "trinity/trainer/verl/losses.py"
+RANKS = 2
+# The model settings a CPU needs (eager attention, fp32, no torch.compile, no tokenizer in the
+# tiny model's folder) go through trainer_config, Trinity's way of overriding verl's config.
+CONFIG = """\
+mode: train
+project: bapo-engine-test
+name: config-path
+checkpoint_root_dir: {root}/checkpoints
+algorithm:
+  algorithm_type: bapo
+  repeat_times: 4
+  policy_loss_fn_args:
+    sync_across_dp: {sync}
+model:
+  model_path: {root}/model
+  max_response_tokens: 6
+  max_model_len: 12
+cluster:
+  node_num: 1
+  gpu_per_node: {ranks}
+buffer:
+  total_epochs: 1
+  batch_size: 4
+  train_batch_size: 16
+trainer:
+  trainer_type: verl
+  trainer_strategy: fsdp2
+  use_dynamic_bsz: true
+  max_token_len_per_gpu: 30
+  trainer_config:
+    model:
+      use_remove_padding: false
+      load_tokenizer: false
+      enable_gradient_checkpointing: false
+      override_config:
+        attn_implementation: eager
+    actor:
+      use_torch_compile: false
+      fsdp_config:
+        mixed_precision:
+          param_dtype: fp32
+          reduce_dtype: fp32
+          buffer_dtype: fp32
+"""
+
+
+def released_losses(folder: Path) -> Path:
+    """A copy of the installed ``losses.py`` with the patch that forwards dp_group reverted."""
+    import trinity
+
+    installed = Path(trinity.__file__).resolve().parent.parent / LOSSES
+    patch = next(REPO.glob("patches/*engine-loss-forwards-dp-group*.patch"))
+    copy = folder / LOSSES  # the patch's own path, so that `git apply` finds it under `folder`
+    copy.parent.mkdir(parents=True)
+    shutil.copyfile(installed, copy)
+    subprocess.run(["git", "apply", "--reverse", str(patch)], cwd=folder, check=True)
+    assert "dp_group=dp_group" not in copy.read_text()
+    return copy
+
+
+@pytest.fixture(scope="module")
+def engine(launches, tmp_path_factory):
+    """Per rank, what a check recorded in the 2-rank launch (one launch runs every check)."""
+    options = dict(sp=1, phases=",".join(PHASES))
+    options["released_losses"] = released_losses(tmp_path_factory.mktemp("released"))
+    for sync in ("true", "false"):
+        root = tmp_path_factory.mktemp(f"sync_{sync}")
+        (root / "config.yaml").write_text(CONFIG.format(root=root, sync=sync, ranks=RANKS))
+        options[f"config_{sync}"] = root / "config.yaml"
+    args = (RANKS, "tests.engine_checks", ["fsdp2", "fsdp1", "worker"])
+    return lambda check: launches.check("engine", check, *args, timeout=600, **options)
+
+
+def groups_of(calls_by_rank):
+    """The distinct groups (tuples of global ranks) the loss received, over all calls."""
+    return {tuple(c["group_ranks"] or ()) for calls in calls_by_rank for c in calls}
+
+
+def all_agree(calls_by_rank):
+    return all(len(set(pairs)) == 1 for pairs in pairs_by_call(calls_by_rank))
+
+
+def assert_groups_agree_with_their_union(calls_by_rank, config_name, groups):
+    """The engine's groups reached BAPO, moved the search, and chose the union pair per call."""
+    assert all(c["is_engine_group"] for rank in calls_by_rank for c in rank)
+    assert groups_of(calls_by_rank) == groups
+    pairs = pairs_by_call(calls_by_rank)  # as many calls on every rank
+    assert pairs and any(p != PAPER_START for ps in pairs for p in ps), "the search never moved"
+    assert all_agree(calls_by_rank), pairs
+    problems = []
+    for i in range(len(pairs)):
+        for group in groups:
+            metrics = [calls_by_rank[r][i]["metrics"] for r in group]
+            datas = [calls_by_rank[r][i]["data"] for r in group]
+            problems += [
+                f"call {i}, group {group}: {p}"
+                for p in compare_to_union(metrics, datas, config_name)
+            ]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    "check, phase", [("fsdp2", "sync"), ("fsdp2", "authors"), ("fsdp1", "sync")]
+)
+def test_engine_group_reaches_bapo_and_ranks_pick_the_union_pair(engine, check, phase):
+    got = [rank[phase]["calls"] for rank in engine(check)]
+    assert_groups_agree_with_their_union(got, PHASES[phase][1], {(0, 1)})
+
+
+def test_ulysses_sub_groups_reach_bapo_and_agree(launches):
+    """SP=2 on 4 ranks: BAPO gets the mesh's dp groups {0, 2} and {1, 3}, never WORLD."""
+    args = (4, "tests.engine_checks", ["fsdp2"])
+    records = launches.check("ulysses", "fsdp2", *args, timeout=300, sp=2, phases="sync")
+    got = [rank["sync"]["calls"] for rank in records]
+    assert_groups_agree_with_their_union(got, PHASES["sync"][1], {(0, 2), (1, 3)})
+
+
+def test_control_sync_off_disagrees(engine):
+    """With sync_across_dp false the same engine path leaves each rank to its own pair."""
+    got = [rank["nosync"]["calls"] for rank in engine("fsdp2")]
+    assert all(c["is_engine_group"] for rank in got for c in rank)
+    assert not all_agree(got), pairs_by_call(got)
+
+
+def test_control_released_losses_drops_the_group_and_disagrees(engine):
+    """Without the patch that forwards dp_group the engine's group never reaches BAPO."""
+    got = [rank["released"]["calls"] for rank in engine("fsdp2")]
+    assert groups_of(got) == {()}, "the released TrinityPolicyLoss passed a group"
+    assert not all_agree(got), pairs_by_call(got)
+
+
+@pytest.mark.parametrize("sync", ["true", "false"])
+def test_yaml_flag_reaches_the_loss_with_the_engine_group(engine, sync):
+    for record in engine("worker"):
+        run = record[sync]
+        assert run["loss_class"] == "TrinityPolicyLoss"
+        assert run["engine_group"] == list(range(RANKS))
+        assert run["sync_across_dp"] is (sync == "true")
+        assert all(call["group_ranks"] == run["engine_group"] for call in run["calls"])
+
+
+@pytest.mark.parametrize("sync", ["true", "false"])
+def test_dynamic_batching_gives_every_rank_the_same_number_of_calls(engine, sync):
+    """The odd rank's longer sequences need more micro-batches; the engine pads the count."""
+    runs = [record[sync] for record in engine("worker")]
+    own = [run["own_micro_batches"] for run in runs]
+    assert len(set(own)) > 1, f"the ranks' token counts do not test equalising: {own}"
+    assert [len(run["calls"]) for run in runs] == [max(own)] * RANKS
+
+
+def test_worker_ranks_agree_at_every_call_with_sync_and_differ_without(engine):
+    runs = {
+        sync: [record[sync]["calls"] for record in engine("worker")] for sync in ("true", "false")
+    }
+    pairs = pairs_by_call(runs["true"])
+    assert all(len(set(p)) == 1 for p in pairs), pairs
+    assert any(p[0] != PAPER_START for p in pairs), "the search never moved: agreement is trivial"
+    assert not all_agree(runs["false"]), pairs_by_call(runs["false"])
+
+
+@pytest.mark.parametrize("sync", ["true", "false"])
+def test_update_actor_returns_the_bapo_metrics(engine, sync):
+    """Metrics are gathered over the group by verl: one entry per rank and call."""
+    runs = [record[sync] for record in engine("worker")]
+    metrics = runs[0]["metrics"]
+    for name in BAPO_METRICS:
+        assert len(metrics[f"actor/{name}"]) == RANKS * len(runs[0]["calls"]), name
+    logged = sorted(zip(metrics["actor/bapo_clip_low"], metrics["actor/bapo_clip_high"]))
+    used = sorted(pair for pairs in pairs_by_call([run["calls"] for run in runs]) for pair in pairs)
+    assert logged == used
