@@ -45,32 +45,24 @@ class PullRequest:
         )
 
 
-def _files(*folders: str) -> List[str]:
-    """Repo-relative paths of the files under the folders (no bytecode)."""
-    found = [p for f in folders for p in (REPO / f).rglob("*") if p.is_file()]
+def _files(name: str) -> List[str]:
+    """The repo files a pull request adds: ``patches/pr/<name>.files`` lists files and folders."""
+    listed = (PATCHES / "pr" / f"{name}.files").read_text().split()
+    found = [p for f in listed for p in [REPO / f, *(REPO / f).rglob("*")] if p.is_file()]
     return sorted(str(p.relative_to(REPO)) for p in found if "__pycache__" not in p.parts)
 
 
-def _patches(prefix: str) -> List[str]:
-    """The patch files named ``<prefix>-NNNN-*.patch``, in order."""
-    return sorted(p.name for p in PATCHES.glob(f"{prefix}-[0-9]*.patch"))
+def _pull_request(name: str, prefix: str, base: Optional[PullRequest] = None) -> PullRequest:
+    """The pull request ``name``: the patches ``<prefix>-NNNN-*.patch`` in order, its files."""
+    patches = sorted(p.name for p in PATCHES.glob(f"{prefix}-[0-9]*.patch"))
+    return PullRequest(name, patches, _files(name), base)
 
 
 def pull_requests() -> List[PullRequest]:
     """The three pull requests: the interface, BAPO on top of it, and the config fix."""
-    keys_test = "tests/algorithm/policy_loss_runtime_keys_test.py"
-    keys = PullRequest("policy-loss-runtime-keys", _patches("runtime-keys"), [keys_test])
-    bapo_tests = [
-        "tests/algorithm/policy_loss_test.py",
-        "tests/algorithm/bapo_data_parallel_test.py",
-    ]
-    bapo_files = _files("trinity", "examples/bapo_gsm8k") + bapo_tests
-    fix_test = ["tests/common/loss_agg_mode_config_test.py"]
-    return [
-        keys,
-        PullRequest("bapo", _patches("bapo"), bapo_files, base=keys),
-        PullRequest("loss-agg-mode", _patches("loss-agg-mode"), fix_test),
-    ]
+    keys = _pull_request("policy-loss-runtime-keys", "runtime-keys")
+    bapo = _pull_request("bapo", "bapo", base=keys)
+    return [keys, bapo, _pull_request("loss-agg-mode", "loss-agg-mode")]
 
 
 def source_distribution() -> Path:
