@@ -1,10 +1,8 @@
 """`make pr`'s three patches apply to the Trinity-RFT 0.6.0 sdist as stated, and their tests pass.
 
-The interface and the config fix each apply alone to a fresh sdist (from PyPI, cached under
-build/sdist/; skipped only where it cannot be had), BAPO on top of the interface. The touched
-files must equal the installed ones and ours, and each pull request's own tests must pass there.
-The config fix's test must fail on the released tree, and BAPO's tests must fail when one of the
-claims they rest on is undone, or they would prove nothing.
+The interface and the config fix apply alone to a fresh sdist (from PyPI, cached in build/sdist/),
+BAPO on top of the interface; touched files equal ours. The config fix's test must fail on the
+released tree, and BAPO's when a claim they rest on is undone, or they would prove nothing.
 """
 
 import importlib.metadata
