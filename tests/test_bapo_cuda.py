@@ -68,6 +68,8 @@ def test_the_search_syncs_the_host_once():
     logprob, old, mask, adv = inputs("cuda")
     fn._prepare(logprob, old, mask, adv)  # the first call moves the bin edges to the device
     (_, _, _, bins), in_prepare = syncs(lambda: fn._prepare(logprob, old, mask, adv))
-    bounds, n_lower = fn.lower + fn.upper, len(fn.lower)
-    _, in_decide = syncs(lambda: decide(bins.tolist(), bounds, n_lower, fn.target, fn.upper_first))
+    n_lower = len(fn.lower)
+    _, in_decide = syncs(
+        lambda: decide(bins.tolist(), fn.bounds, n_lower, fn.target, fn.upper_first)
+    )
     assert (in_prepare, in_decide) == (0, 1)

@@ -41,8 +41,8 @@ def product_search(loss_fn: BAPOPolicyLossFn, batch: Dict, group=None) -> Tuple[
     """The search of ``loss_fn.__call__`` alone, over ``group``: (c_low, c_high, steps, rho)."""
     bins = loss_fn._prepare(**batch)[3]
     values = all_reduce_bins(bins, len(bins), group, None)
-    bounds, n_lower = loss_fn.lower + loss_fn.upper, len(loss_fn.lower)
-    i, j, rho = decide(values, bounds, n_lower, loss_fn.target, loss_fn.upper_first)
+    n_lower = len(loss_fn.lower)
+    i, j, rho = decide(values, loss_fn.bounds, n_lower, loss_fn.target, loss_fn.upper_first)
     return loss_fn.lower[i], loss_fn.upper[j], i + j, rho
 
 

@@ -7,7 +7,7 @@ inside movable ranges until positive tokens carry a share rho0 of the loss (Eq. 
 
 import inspect
 import math
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -79,8 +79,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         self.clip_ratio_c = clip_ratio_c
         self.loss_agg_mode = loss_agg_mode
         self.sync_across_dp = sync_across_dp
-        signed = [-bound for bound in reversed(self.lower)] + [0.0] + self.upper
-        self._signed = self._edges = torch.tensor(signed, dtype=torch.float64)  # for bin_sums
+        self._edges_key: Optional[tuple] = None  # the device and dtype ``bounds`` are for
 
     def __call__(  # type: ignore
         self,
@@ -104,9 +103,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         except Exception as caught:
             bins, error = None, caught
         values = all_reduce_bins(bins, length, dp_group if self.sync_across_dp else None, error)
-        # the bounds as torch.clamp compares them (in bfloat16, 1.2 is 1.203125)
-        bounds = torch.tensor(self.lower + self.upper, dtype=torch.float64).to(ratio.dtype).tolist()
-        i, j, share = decide(values, bounds, len(self.lower), self.target, self.upper_first)
+        i, j, share = decide(values, self.bounds, len(self.lower), self.target, self.upper_first)
         pg_loss, metrics = self._clipped_loss(ratio, adv, action_mask, i, j)
         return pg_loss, {
             "bapo_clip_low": self.lower[i],
@@ -123,8 +120,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
     def _prepare(self, logprob, old_logprob, action_mask, advantages):
         """Return the ratio, log-ratio and advantages as the loss uses them, and the bins.
 
-        Masked tokens are zeroed before any arithmetic, so that even a NaN there reaches
-        neither the loss nor its gradient; live tokens see PPO's exact values.
+        Masked tokens are zeroed first, so that even a NaN there reaches neither loss nor gradient.
         """
         masked = action_mask == 0
         raw_log_ratio = (logprob - old_logprob).masked_fill(masked, 0.0)
@@ -133,9 +129,13 @@ class BAPOPolicyLossFn(PolicyLossFn):
         ratio = torch.exp(log_ratio)
         # NaN and +-inf survive the sum (inf - inf is NaN); a NaN mask value leaves a token live.
         checked = (raw_log_ratio + advantages + action_mask).detach()
-        if (self._edges.device, self._edges.dtype) != (ratio.device, ratio.dtype):
-            # once per device and dtype: a host copy at every call would wait on the device
-            self._edges = self._signed.to(ratio.device, ratio.dtype)
+        if self._edges_key != (ratio.device, ratio.dtype):  # once, not a host copy per call
+            # the candidates as torch.clamp compares them (in bfloat16, 1.2 is 1.203125)
+            rounded = torch.tensor(self.lower + self.upper, dtype=torch.float64).to(ratio.dtype)
+            self.bounds = rounded.tolist()
+            lower, upper = rounded.split([len(self.lower), len(self.upper)])
+            self._edges = torch.cat([-lower.flip(0), lower.new_zeros(1), upper]).to(ratio.device)
+            self._edges_key = (ratio.device, ratio.dtype)
         bins = bin_sums(ratio, advantages, ~masked, torch.isfinite(checked), self._edges)
         return ratio, log_ratio, advantages, bins
 
