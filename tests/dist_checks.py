@@ -74,25 +74,32 @@ def check_local(ctx) -> dict:
     return out
 
 
-NAN_LIVE = 2  # NaN log-probs placed on live tokens of the group's last rank
-
-
 def check_nonfinite(ctx) -> dict:
-    """Put NaN log-probs on the group's last rank only (two live tokens, one masked)."""
+    """Put NaN log-probs on two live tokens and a masked one of the last rank; then call clean.
+
+    One loss per config makes both calls, so the clean call shows that nothing of the NaN stays.
+    """
 
     def run(group, size):
         data = make_case("mixed", ctx.rank, size)
+        if ctx.rank == 0:  # mostly negative advantages: the clean union moves the search
+            data = {**data, "advantages": -data["advantages"].abs()}
+        bad = data
         if ctx.rank == size - 1:
             logprob, mask = data["logprob"].clone(), data["mask"].clone()
             logprob[0, :3] = float("nan")
             mask[0, :2], mask[0, 2] = 1, 0
-            data = {**data, "logprob": logprob, "mask": mask}
-        return every_config(ctx, data, group)
+            bad = {**data, "logprob": logprob, "mask": mask}
+        losses = {name: BAPOPolicyLossFn(**loss_kwargs(name)) for name in CONFIGS}
+        calls = [
+            {n: call_bapo(ctx, fn, case, group) for n, fn in losses.items()} for case in (bad, data)
+        ]
+        return {"data": lists(data), "nan": calls[0], "clean": calls[1]}
 
     return by_size(ctx, run)
 
 
-BAD_CALLS = {1: "bool_advantages", 3: "meta_logprob"}  # of five calls, on the group's last rank
+BAD_CALLS = {1: "bool_advantages", 3: "short_old_logprob"}  # of five, on the group's last rank
 
 
 def check_failure(ctx) -> dict:
@@ -112,8 +119,8 @@ def check_failure(ctx) -> dict:
             if call in BAD_CALLS and ctx.rank == size - 1:
                 if BAD_CALLS[call] == "bool_advantages":
                     case = {**data, "advantages": data["advantages"] > 0}
-                else:
-                    case = {**data, "logprob": data["logprob"].to("meta")}
+                else:  # one response token fewer than the log-probs: shapes that do not match
+                    case = {**data, "old_logprob": data["old_logprob"][:, :-1]}
                 alone[call] = outcome(lambda: call_bapo(ctx, loss_fn, case, None))
             calls.append(outcome(lambda: call_bapo(ctx, loss_fn, case, group)))
         return {"data": lists(data), "calls": calls, "alone": alone}

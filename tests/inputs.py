@@ -12,7 +12,7 @@ ORDERS = ("upper_first", "lower_first")
 PAPER_START, PAPER_MAX = (0.6, 1.2), (0.9, 3.0)  # (a-, a+) and (b-, b+) of the paper's Sec. 5.1
 PAPER_STEPS = 36 + 15  # (3.0 - 1.2) / 0.05 upper steps, then (0.9 - 0.6) / 0.02 lower steps
 BAPO_METRICS = [f"bapo_{k}" for k in ("clip_low", "clip_high", "positive_contribution")]
-BAPO_METRICS += [f"bapo_{k}" for k in ("target_met", "search_steps", "nonfinite_tokens")]
+BAPO_METRICS += [f"bapo_{k}" for k in ("target_met", "search_steps")]
 METRIC_KEYS = {*BAPO_METRICS, "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "pg_loss"}
 
 # Named settings: the paper's grid in both orders, the authors' yaml, and their run script, whose

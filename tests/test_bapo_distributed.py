@@ -74,8 +74,9 @@ def test_one_all_reduce_per_synced_call_the_first_included(launches, backend, si
         for case in CASES:
             for name, run in rank_result[case]["runs"].items():
                 assert run["collectives"] == [ALL_REDUCE], (rank, case, name, run["collectives"])
-    for rank, runs in enumerate(results(launches, backend, "nonfinite", size)):
-        assert all(run["collectives"] == [ALL_REDUCE] for run in runs.values()), rank
+    for rank, calls in enumerate(results(launches, backend, "nonfinite", size)):
+        for runs in (calls["nan"], calls["clean"]):
+            assert all(run["collectives"] == [ALL_REDUCE] for run in runs.values()), rank
 
 
 @with_backend
@@ -96,31 +97,44 @@ def test_without_sync_each_rank_decides_alone_and_the_ranks_differ(launches, bac
 
 
 @with_backend
-def test_size_one_group_is_local_and_silent(launches, backend):
+def test_size_one_group_decides_alone(launches, backend):
+    """A group of rank 0 alone: its one all-reduce sums nothing else in."""
     result = results(launches, backend, "local")[0]
     for name in CONFIGS:
         run, want = result["solo"][name], result["sync_off"][name]
         assert chosen(run["metrics"]) == chosen(want["metrics"]), name
-        assert run["collectives"] == [], name
+        assert run["collectives"] == [ALL_REDUCE], name
 
 
 @with_backend
 @with_size
-def test_nonfinite_on_one_rank_keeps_the_start_pair_everywhere(launches, backend, size):
-    """Every rank counts the group's non-finite tokens, keeps the start pair, and stays finite."""
-    for rank, runs in enumerate(results(launches, backend, "nonfinite", size)):
-        for name, run in runs.items():
-            kwargs, m = loss_kwargs(name), run["metrics"]
-            start = (kwargs["ratio_lower_start"], kwargs["ratio_upper_start"], 0)
-            assert chosen(m) == start, (name, rank)
-            assert m["bapo_nonfinite_tokens"] == 2, (name, rank)
-            assert rank == size - 1 or math.isfinite(run["loss"]), (name, rank)
+def test_nan_on_one_rank_keeps_the_start_pair_everywhere_then_the_next_call_moves(
+    launches, backend, size
+):
+    """A NaN makes the group's rho NaN, so every rank keeps the start pair.
+
+    The next, clean call of the same losses takes the union's pair again.
+    """
+    result = results(launches, backend, "nonfinite", size)
+    datas, moved = [rank_result["data"] for rank_result in result], []
+    for name in CONFIGS:
+        kwargs = loss_kwargs(name)
+        start = (kwargs["ratio_lower_start"], kwargs["ratio_upper_start"], 0)
+        want = oracle.search(oracle.union_tokens(datas), kwargs)
+        moved.append(want != start)
+        for rank, rank_result in enumerate(result):
+            nan, clean = rank_result["nan"][name], rank_result["clean"][name]
+            assert chosen(nan["metrics"]) == start, (name, rank)
+            assert nan["metrics"]["bapo_positive_contribution"] == "nan", (name, rank)
+            assert rank == size - 1 or math.isfinite(nan["loss"]), (name, rank)
+            assert chosen(clean["metrics"]) == want, (name, rank)
+    assert any(moved), "the clean union must move the search, for the NaN to stop it"
 
 
 @with_backend
 @with_size
 def test_one_failing_rank_makes_every_rank_raise_in_that_call(launches, backend, size):
-    """Bool advantages, then a log-prob on the meta device, on the group's last rank only.
+    """Bool advantages, then old log-probs one token short, on the group's last rank only.
 
     That rank raises what the same input raises with no group; the others a RuntimeError of
     BAPO's saying another rank failed; in the good calls between and after, every rank takes

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from scripts.harness.launch import REPO
-from tests import inputs
-from tests.inputs import AGG_MODES, ORDERS, PAPER_START, batch, call, chosen, mask_values, point
+from tests import inputs, oracle
+from tests.inputs import AGG_MODES, ORDERS, PAPER_START, batch, call, chosen, loss_kwargs
+from tests.inputs import mask_values, point
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 from trinity.algorithm.policy_loss_fn.ppo_policy_loss import PPOPolicyLossFn
 
@@ -114,31 +115,39 @@ def test_point_ranges_equal_ppo(mask_kind, loss_agg_mode, eps_low, eps_high, ord
 
 
 FINE = dict(ratio_upper_start=1.0, ratio_upper_max=1.9999, ratio_upper_step=1e-4)
-LOWER, UPPER, STEP = "[0.0, 1.0]", "[1.0, inf]", "10000 bounds at most"
+LOWER, UPPER, STEP, NUMBER = "[0.0, 1.0]", "[1.0, ", "10000 bounds at most", "must be a number"
 BAD_ARGUMENTS: list[tuple[dict, str, str]] = [
-    (dict(ratio_lower_start=0.9, ratio_lower_max=0.8), "ratio_lower_max", LOWER),
-    (dict(ratio_upper_start=2.0, ratio_upper_max=1.5), "ratio_upper_max", UPPER),
+    (dict(ratio_lower_start=0.9, ratio_lower_max=0.8), "ratio_lower_max", "[0.9, 1.0]"),
+    (dict(ratio_upper_start=2.0, ratio_upper_max=1.5), "ratio_upper_max", "[2.0, "),
     (dict(ratio_lower_start=-0.1), "ratio_lower_start", LOWER),
     (dict(ratio_lower_start=math.nan), "ratio_lower_start", LOWER),
-    (dict(ratio_lower_max=1.1), "ratio_lower_max", LOWER),
+    (dict(ratio_lower_max=1.1), "ratio_lower_max", "[0.6, 1.0]"),
     (dict(ratio_upper_start=0.95), "ratio_upper_start", UPPER),
+    (dict(ratio_upper_max=math.inf), "ratio_upper_max", "[1.2, "),
+    (dict(ratio_upper_max=10**500), "ratio_upper_max", "[1.2, "),
+    (point(0.8, 1e299), "ratio_upper_start", UPPER),  # beyond float32, which clamp compares in
     (dict(ratio_lower_step=0.0), "ratio_lower_step", "> 0"),
-    (dict(ratio_lower_step=-0.02), "ratio_lower_step", "> 0"),
-    (dict(ratio_lower_step=math.nan), "ratio_lower_step", "> 0"),
+    (dict(ratio_lower_step=-0.02), "ratio_lower_step", "[0, "),
+    (dict(ratio_lower_step=math.nan), "ratio_lower_step", "[0, "),
     (dict(ratio_upper_step=0.0), "ratio_upper_step", "> 0"),
+    (dict(ratio_upper_step=True), "ratio_upper_step", NUMBER),
     (dict(ratio_upper_step=1e-5), "ratio_upper_step", STEP),
     (dict(ratio_upper_step=1e-300), "ratio_upper_step", STEP),
     (dict(FINE, ratio_upper_max=2.0), "ratio_upper_step", STEP),  # 10,001: one too many
     (dict(positive_contribution_target=-0.1), "positive_contribution_target", "[0, 1]"),
     (dict(positive_contribution_target=1.5), "positive_contribution_target", "[0, 1]"),
     (dict(positive_contribution_target=math.nan), "positive_contribution_target", "[0, 1]"),
+    (dict(positive_contribution_target="0.4"), "positive_contribution_target", NUMBER),
+    (dict(positive_contribution_target=None), "positive_contribution_target", NUMBER),
+    (dict(ratio_lower_start=[0.6]), "ratio_lower_start", NUMBER),
+    (dict(ratio_lower_max=False), "ratio_lower_max", NUMBER),
     (dict(search_order="upper"), "search_order", "upper_first"),
     (dict(clip_ratio_c=1.0), "clip_ratio_c", "> 1"),
-    (dict(clip_ratio_c=0.5), "clip_ratio_c", "> 1"),
-    (dict(clip_ratio_c=math.nan), "clip_ratio_c", "> 1"),
+    (dict(clip_ratio_c=0.5), "clip_ratio_c", "[1, "),
+    (dict(clip_ratio_c=math.nan), "clip_ratio_c", "[1, "),
+    (dict(clip_ratio_c=None), "clip_ratio_c", NUMBER),
     (dict(loss_agg_mode="mean"), "loss_agg_mode", "token-mean"),
-    (dict(sync_across_dp=1), "sync_across_dp", "true or false"),
-    (dict(sync_across_dp="true"), "sync_across_dp", "true or false"),
+    (dict(loss_agg_mode="token-sum"), "loss_agg_mode", "seq-mean-token-sum-norm"),
 ]
 
 
@@ -188,7 +197,7 @@ def test_metrics_are_flat_documented_python_numbers(order):
     assert set(m) == inputs.METRIC_KEYS
     for key, value in m.items():
         assert type(value) in (float, int), (key, type(value))
-    assert type(m["bapo_search_steps"]) is int and type(m["bapo_nonfinite_tokens"]) is int
+    assert type(m["bapo_search_steps"]) is int
     assert m["bapo_target_met"] in (0.0, 1.0)
 
 
@@ -302,19 +311,30 @@ def test_far_points_and_tiny_gaps_clip_where_configured(kwargs):
     assert torch.isfinite(loss) and loss.item() == pytest.approx(ppo_loss.item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("field", ["logprob", "old_logprob", "advantages"])
 @pytest.mark.parametrize("order", ORDERS)
-def test_nonfinite_live_tokens_are_counted_and_keep_start_bounds(order):
+def test_a_nan_live_token_keeps_the_start_pair(order, field):
+    """A NaN makes rho NaN, which fails ``rho < rho0``: the walk stays at the start pair."""
     logprob, old, mask, adv = batch((4, 24), spread=0.01)
     adv = -adv.abs() - 0.1  # all negative: finite, this batch would search to (0.9, 3.0)
-    logprob[0, 0] = math.nan
-    logprob[1, 2] = math.inf
-    old[2, 3] = -math.inf
-    adv[3, 4] = math.nan
-    logprob[3, 4] = math.nan  # same token as above: counted once
-    mask[3, 5] = math.nan  # a NaN mask value leaves its token live (NaN != 0)
-    _, m = call(BAPOPolicyLossFn(search_order=order), logprob, old, mask, adv)
-    assert m["bapo_nonfinite_tokens"] == 5
-    assert chosen(m) == (*PAPER_START, 0)
+    clean = call(BAPOPolicyLossFn(search_order=order), logprob, old, mask, adv)[1]
+    assert chosen(clean) == (*inputs.PAPER_MAX, inputs.PAPER_STEPS)
+    tensors = {"logprob": logprob, "old_logprob": old, "advantages": adv}
+    tensors[field] = tensors[field].clone()
+    tensors[field][1, 2] = math.nan
+    _, m = BAPOPolicyLossFn(search_order=order)(action_mask=mask, **tensors)
+    assert chosen(m) == (*PAPER_START, 0) and math.isnan(m["bapo_positive_contribution"])
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_an_infinite_log_ratio_is_clamped_as_ppo_clamps_it(order):
+    """+-inf log-probs give ratios exp(+-20): the search runs on them as the oracle does."""
+    logprob, old, mask, adv = batch((4, 24), seed=2, spread=0.3)
+    logprob[0, 0], old[1, 1] = math.inf, math.inf  # r = e^20 and r = e^-20
+    kwargs = loss_kwargs("paper_upper" if order == "upper_first" else "paper_lower")
+    _, m = call(BAPOPolicyLossFn(**kwargs), logprob, old, mask, adv)
+    assert chosen(m) == oracle.search(oracle.token_lists(logprob, old, mask, adv), kwargs)
+    assert math.isfinite(m["bapo_positive_contribution"]) and math.isfinite(m["pg_loss"])
 
 
 @pytest.mark.parametrize(
@@ -350,5 +370,5 @@ def test_masked_nonfinite_values_touch_neither_loss_nor_gradient(fields, bad, or
     (clean_loss, clean_grad, clean_m), (loss, grad, m) = results
     assert torch.equal(loss, clean_loss) and torch.equal(grad, clean_grad)
     assert (grad[mask == 0] == 0).all() and (grad[mask == 1] != 0).any()
-    assert m == clean_m and m["bapo_nonfinite_tokens"] == 0
+    assert m == clean_m
     assert chosen(m) == (*inputs.PAPER_MAX, inputs.PAPER_STEPS)

@@ -16,7 +16,7 @@ import torch
 from tests import oracle
 from tests.inputs import ORDERS, PAPER_STEPS, RANGE_ARGS, batch, call, point
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
-from trinity.algorithm.policy_loss_fn.bapo_search import candidate_grid
+from trinity.algorithm.policy_loss_fn.bapo_policy_loss import candidates
 
 LOWER_STEPS = (0.01, 0.02, 0.025, 0.03, 0.04, 0.05, 0.07, 0.1, 0.15, 0.2)
 UPPER_STEPS = (0.03, 0.05, 0.07, 0.1, 0.2, 0.25, 0.3, 0.5)
@@ -173,7 +173,7 @@ def test_the_paper_grids_land_on_the_written_values(name, start, maximum, step, 
     assert naive != maximum  # the float trap: a naive loop stops short of, or just under, it
     want = [float(Fraction(repr(start)) + k * Fraction(repr(step))) for k in range(length)]
     for cap in (False, True):  # the maximum is on the grid: the cap adds nothing
-        assert candidate_grid(name, start, maximum, step, 0.0, math.inf, cap) == want
+        assert candidates(name, start, maximum, step, 0.0, 10.0, cap) == want
     assert want[-1] == maximum and len(want) == length
     fn = BAPOPolicyLossFn()
     assert (fn.lower if name == "ratio_lower" else fn.upper) == want

@@ -1,17 +1,16 @@
 """The paper's grid, a micro-batch that never meets it, Eq. 8 at a pair, and the two searches.
 
 ``authors_loop``, the authors' per-candidate search, is the baseline the bench times
-``product_search``, BAPO's own bins and walk, against.
+``product_search``, BAPO's own sums and walk, against.
 """
 
 from fractions import Fraction
 from typing import Any, Dict, Tuple
 
 import torch
+import torch.distributed as dist
 
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
-from trinity.algorithm.policy_loss_fn.bapo_search import decide
-from trinity.algorithm.policy_loss_fn.bapo_sync import all_reduce_bins
 
 # The paper's Sec. 5.1 grid and target: BAPO's defaults
 PAPER: Dict[str, Any] = BAPOPolicyLossFn.default_args()
@@ -39,10 +38,11 @@ def bench_batch(shape, seed: int, negative_share: float = 0.85, device: Any = "c
 
 def product_search(loss_fn: BAPOPolicyLossFn, batch: Dict, group=None) -> Tuple[float, ...]:
     """The search of ``loss_fn.__call__`` alone, over ``group``: (c_low, c_high, steps, rho)."""
-    bins = loss_fn._prepare(**batch)[3]
-    values = all_reduce_bins(bins, len(bins), group, None)
-    n_lower = len(loss_fn.lower)
-    i, j, rho = decide(values, loss_fn.bounds, n_lower, loss_fn.target, loss_fn.upper_first)
+    sums = loss_fn._prepare(**batch)[4]
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+    values, n_upper = sums.tolist(), len(loss_fn.upper)
+    i, j, rho = loss_fn._search(values[1 : 1 + n_upper], values[1 + n_upper :])
     return loss_fn.lower[i], loss_fn.upper[j], i + j, rho
 
 

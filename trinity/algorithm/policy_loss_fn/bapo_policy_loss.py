@@ -1,85 +1,94 @@
 """BAPO (https://arxiv.org/abs/2510.18927): PPO clipping with ratio bounds chosen per call.
 
-On stale data negative-advantage tokens dominate the update. BAPO raises ``c_low`` / ``c_high``
-inside movable ranges until positive tokens carry a share rho0 of the loss (Eq. 8); with
-``sync_across_dp`` every data-parallel rank takes the pair chosen on the union of their tokens.
+On stale data negative-advantage tokens dominate the update. BAPO raises c_low and c_high inside
+movable ranges until positive tokens carry a share rho0 of the loss (Eq. 8), on the union of the
+data-parallel ranks' tokens with ``sync_across_dp``.
 """
 
-import inspect
-import math
-from typing import Dict, Optional, Tuple
+import numbers
+from fractions import Fraction
+from typing import Dict, List, Tuple
 
 import torch
+import torch.distributed as dist
 
-from trinity.algorithm.policy_loss_fn.bapo_search import bin_sums, candidate_grid, decide
-from trinity.algorithm.policy_loss_fn.bapo_sync import all_reduce_bins
 from trinity.algorithm.policy_loss_fn.policy_loss_fn import PolicyLossFn
 from trinity.algorithm.utils import aggregate_loss, masked_mean
 
 LOG_RATIO_CLAMP = 20.0  # |log r| is clamped as PPOPolicyLossFn does
+MAX_CANDIDATES = 10_000  # per range: a call sums Eq. 8 at every candidate, so the grid is held
+FLOAT32_MAX = torch.finfo(torch.float32).max  # the largest bound torch.clamp takes for float32
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def number(name: str, value, low: float, high: float) -> float:
+    """``value`` as a float; a ``ValueError`` naming ``name`` unless it is a number in range."""
+    if isinstance(value, bool) or not (isinstance(value, numbers.Real) and low <= value <= high):
+        raise ValueError(f"BAPO: `{name}` must be a number in [{low}, {high}]: {value!r}")
+    return float(value)
+
+
+def candidates(name: str, start, maximum, step, low: float, high: float, cap: bool) -> List[float]:
+    """The bounds ``start + k * step`` <= ``maximum`` of range ``name``, in decimal arithmetic."""
+    # Steps add up as the config writes them, so 0.6 + 15 * 0.02 is 0.9, not 0.8999...
+    # ``cap`` appends an off-grid maximum, as the authors' ``min(c + step, max)`` reaches it.
+    start = number(f"{name}_start", start, low, high)
+    maximum = number(f"{name}_max", maximum, start, high)
+    if start == maximum:
+        return [start]
+    a, b, d = (Fraction(str(x)) for x in (start, maximum, number(f"{name}_step", step, 0, high)))
+    if not (d > 0 and (b - a) / d < MAX_CANDIDATES):
+        raise ValueError(f"BAPO: `{name}_step` must be > 0, for {MAX_CANDIDATES} bounds at most")
+    grid = [float(a + k * d) for k in range(int((b - a) / d) + 1)]
+    return grid + [maximum] if cap and grid[-1] < maximum else grid
 
 
 class BAPOPolicyLossFn(PolicyLossFn):
-    """PPO-clip loss whose ratio bounds are searched at every call."""
+    """PPO-clip loss whose ratio bounds are searched at every call (Algorithm 1)."""
 
     _runtime_keys = {"dp_group"}  # passed by the trainer beside the batch, not read from it
 
     def __init__(
         self,
         backend: str = "verl",
-        ratio_lower_start: float = 0.6,
-        ratio_lower_max: float = 0.9,
-        ratio_lower_step: float = 0.02,
-        ratio_upper_start: float = 1.2,
-        ratio_upper_max: float = 3.0,
-        ratio_upper_step: float = 0.05,
-        positive_contribution_target: float = 0.4,
-        search_order: str = "upper_first",
-        clip_ratio_c: float = 3.0,
+        ratio_lower_start: float = 0.6,  # a-, the first c_low tried
+        ratio_lower_max: float = 0.9,  # b-, the highest c_low
+        ratio_lower_step: float = 0.02,  # delta2, the step of c_low
+        ratio_upper_start: float = 1.2,  # a+, the first c_high tried
+        ratio_upper_max: float = 3.0,  # b+, the highest c_high
+        ratio_upper_step: float = 0.05,  # delta1, the step of c_high
+        positive_contribution_target: float = 0.4,  # rho0, the share A > 0 must carry in Eq. 8
+        search_order: str = "upper_first",  # Algorithm 1; lower_first: the authors' code
+        clip_ratio_c: float = 3.0,  # C, PPO's dual clip for A < 0
         loss_agg_mode: str = "token-mean",
-        sync_across_dp: bool = True,
+        sync_across_dp: bool = True,  # choose over the dp_group that the trainer passes
     ) -> None:
-        """Check every argument here, so that a bad config fails before training starts.
+        """Check every argument, so that a bad config fails before training starts.
 
-        Args:
-            backend: The training framework whose batch keys the loss reads.
-            ratio_lower_start: a-, the first c_low tried.
-            ratio_lower_max: b-, the highest c_low allowed.
-            ratio_lower_step: delta2, the step of c_low.
-            ratio_upper_start: a+, the first c_high tried.
-            ratio_upper_max: b+, the highest c_high allowed.
-            ratio_upper_step: delta1, the step of c_high.
-            positive_contribution_target: rho0, the share of Eq. 8 that A > 0 must reach.
-            search_order: ``upper_first`` (Algorithm 1) or ``lower_first`` (the authors' code).
-            clip_ratio_c: PPO's dual clip for A < 0, > 1.
-            loss_agg_mode: How token losses are aggregated, as ``algorithm.loss_agg_mode``.
-            sync_across_dp: Sum the search over the ``dp_group`` the trainer passes.
+        Where the literal loop would keep the start pair silently, upper_first refuses a lower
+        range without room for a step beside a movable upper range: it could never adapt.
         """
         super().__init__(backend=backend)
         if search_order not in ("upper_first", "lower_first"):
             raise ValueError("BAPO: `search_order` must be upper_first or lower_first")
-        aggregate_loss(torch.zeros(1, 1), torch.ones(1, 1), loss_agg_mode)  # Trinity checks it
-        if not isinstance(sync_across_dp, bool):
-            raise ValueError(f"BAPO: `sync_across_dp` must be true or false: {sync_across_dp!r}")
-        if not 0 <= positive_contribution_target <= 1:
-            raise ValueError("BAPO: `positive_contribution_target` must be in [0, 1]")
-        if clip_ratio_c is None or not clip_ratio_c > 1:
-            raise ValueError(f"BAPO: `clip_ratio_c` must be > 1: {clip_ratio_c}")
-        self.upper_first = search_order == "upper_first"  # else the authors' order
+        if loss_agg_mode not in AGG_MODES:
+            raise ValueError(f"BAPO: `loss_agg_mode` must be one of {', '.join(AGG_MODES)}")
+        self.target = number("positive_contribution_target", positive_contribution_target, 0, 1)
+        self.clip_ratio_c = number("clip_ratio_c", clip_ratio_c, 1, FLOAT32_MAX)
+        if self.clip_ratio_c == 1:
+            raise ValueError("BAPO: `clip_ratio_c` must be > 1")
+        self.upper_first = search_order == "upper_first"
         lower = (ratio_lower_start, ratio_lower_max, ratio_lower_step, 0.0, 1.0)
-        upper = (ratio_upper_start, ratio_upper_max, ratio_upper_step, 1.0, math.inf)
-        self.lower = candidate_grid("ratio_lower", *lower, not self.upper_first)
-        self.upper = candidate_grid("ratio_upper", *upper, not self.upper_first)
+        upper = (ratio_upper_start, ratio_upper_max, ratio_upper_step, 1.0, FLOAT32_MAX)
+        self.lower = candidates("ratio_lower", *lower, cap=not self.upper_first)
+        self.upper = candidates("ratio_upper", *upper, cap=not self.upper_first)
         if self.upper_first and len(self.lower) == 1 and len(self.upper) > 1:
             raise ValueError(
                 "BAPO: under `search_order: upper_first` c_high rises only while c_low has room for"
                 " a step: give `ratio_lower_max` room for a `ratio_lower_step`, or use lower_first"
             )
-        self.target = positive_contribution_target
-        self.clip_ratio_c = clip_ratio_c
         self.loss_agg_mode = loss_agg_mode
         self.sync_across_dp = sync_across_dp
-        self._edges_key: Optional[tuple] = None  # the device and dtype ``bounds`` are for
 
     def __call__(  # type: ignore
         self,
@@ -92,68 +101,99 @@ class BAPOPolicyLossFn(PolicyLossFn):
     ) -> Tuple[torch.Tensor, Dict]:
         """Choose this call's clip pair (over the dp_group); return the clipped loss and metrics.
 
-        Input errors are raised after the all-reduce, so that no rank of the group waits alone.
+        A rank whose inputs fail still joins the one all-reduce, with its failure flag set, so
+        every rank raises in this call: that rank its own error, the others a ``RuntimeError``.
         """
-        length = 2 * (len(self.lower) + len(self.upper)) + 6  # bin_sums's, fixed by the config
+        group = dp_group if self.sync_across_dp and dist.is_initialized() else None
         try:
-            ratio, log_ratio, adv, bins = self._prepare(
+            ratio, log_ratio, advantages, unclipped, sums = self._prepare(
                 logprob, old_logprob, action_mask, advantages
             )
-            error = None
-        except Exception as caught:
-            bins, error = None, caught
-        values = all_reduce_bins(bins, length, dp_group if self.sync_across_dp else None, error)
-        i, j, share = decide(values, self.bounds, len(self.lower), self.target, self.upper_first)
-        pg_loss, metrics = self._clipped_loss(ratio, adv, action_mask, i, j)
+        except Exception:
+            if group is not None:  # join the all-reduce that the other ranks are making
+                size = 1 + len(self.upper) + len(self.lower)
+                failed = logprob.new_zeros(size, dtype=torch.float64)
+                failed[0] = 1.0
+                dist.all_reduce(failed, op=dist.ReduceOp.SUM, group=group)
+            raise
+        if group is not None:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        values = sums.tolist()
+        if values[0] > 0:
+            raise RuntimeError("BAPO: the policy loss failed on another rank of the dp_group")
+        i, j, rho = self._search(values[1 : 1 + len(self.upper)], values[1 + len(self.upper) :])
+        pg_loss, metrics = self._clipped_loss(ratio, advantages, unclipped, action_mask, i, j)
         return pg_loss, {
             "bapo_clip_low": self.lower[i],
             "bapo_clip_high": self.upper[j],
-            "bapo_positive_contribution": share,
-            "bapo_target_met": float(share >= self.target),
+            "bapo_positive_contribution": rho,
+            "bapo_target_met": float(rho >= self.target),
             "bapo_search_steps": i + j,
-            "bapo_nonfinite_tokens": int(values[1]),
             **metrics,
             "ppo_kl": masked_mean(-log_ratio, action_mask).detach().item(),
             "pg_loss": pg_loss.detach().item(),
         }
 
     def _prepare(self, logprob, old_logprob, action_mask, advantages):
-        """Return the ratio, log-ratio and advantages as the loss uses them, and the bins.
-
-        Masked tokens are zeroed first, so that even a NaN there reaches neither loss nor gradient.
-        """
+        """The ratio, log-ratio, advantages, unclipped loss, and ``[0, P..., N...]`` in float64."""
+        # Eq. 8 at every candidate: P = sum_{A>0} A min(r, c_high), N = sum_{A<0} |A| max(r,
+        # c_low); slot 0 is the failure flag. Masked tokens are zeroed first: no NaN there counts.
         masked = action_mask == 0
-        raw_log_ratio = (logprob - old_logprob).masked_fill(masked, 0.0)
         advantages = advantages.masked_fill(masked, 0.0)
-        log_ratio = torch.clamp(raw_log_ratio, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+        log_ratio = (logprob - old_logprob).masked_fill(masked, 0.0)
+        log_ratio = torch.clamp(log_ratio, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
         ratio = torch.exp(log_ratio)
-        # NaN and +-inf survive the sum (inf - inf is NaN); a NaN mask value leaves a token live.
-        checked = (raw_log_ratio + advantages + action_mask).detach()
-        if self._edges_key != (ratio.device, ratio.dtype):  # once, not a host copy per call
-            # the candidates as torch.clamp compares them (in bfloat16, 1.2 is 1.203125)
-            rounded = torch.tensor(self.lower + self.upper, dtype=torch.float64).to(ratio.dtype)
-            self.bounds = rounded.tolist()
-            lower, upper = rounded.split([len(self.lower), len(self.upper)])
-            self._edges = torch.cat([-lower.flip(0), lower.new_zeros(1), upper]).to(ratio.device)
-            self._edges_key = (ratio.device, ratio.dtype)
-        bins = bin_sums(ratio, advantages, ~masked, torch.isfinite(checked), self._edges)
-        return ratio, log_ratio, advantages, bins
-
-    def _clipped_loss(self, ratio, advantages, mask, i: int, j: int):
-        """The clipped loss of PPOPolicyLossFn and its clip fractions, at candidate pair (i, j)."""
         unclipped = -advantages * ratio
+        r, a = ratio.detach().reshape(-1).double(), advantages.detach().reshape(-1).double()
+        # the bounds as torch.clamp compares them with the ratio (bfloat16 holds 1.2 as 1.203125)
+        upper = torch.tensor(self.upper, dtype=ratio.dtype).tolist()
+        lower = torch.tensor(self.lower, dtype=ratio.dtype).tolist()
+        sums = [a.new_zeros(()), *(a.clamp(min=0) @ r.clamp(max=c) for c in upper)]
+        sums += [-a.clamp(max=0) @ r.clamp(min=c) for c in lower]
+        return ratio, log_ratio, advantages, unclipped, torch.stack(sums)
+
+    def _search(self, positive: List[float], negative: List[float]) -> Tuple[int, int, float]:
+        """Indices of (c_low, c_high), and rho there: the path's first pair with rho >= rho0."""
+        # Algorithm 1 raises c_high to b+, then c_low to b-; the authors' code c_low, then c_high.
+        # A NaN rho (a NaN on some rank) stops the walk at once: every rank keeps the start pair.
+
+        def rho(i: int, j: int) -> float:
+            total = positive[j] + negative[i]
+            return 1.0 if total == 0 else positive[j] / total
+
+        n_lower, n_upper = len(self.lower), len(self.upper)
+        if self.upper_first:
+            path = [(0, j) for j in range(n_upper)] + [(i, n_upper - 1) for i in range(1, n_lower)]
+        else:
+            path = [(i, 0) for i in range(n_lower)] + [(n_lower - 1, j) for j in range(1, n_upper)]
+        i, j = next((pair for pair in path if not rho(*pair) < self.target), path[-1])
+        return i, j, rho(i, j)
+
+    def _clipped_loss(self, ratio, advantages, unclipped, mask, i: int, j: int):
+        """The clipped loss of PPOPolicyLossFn and its clip fractions, at candidate pair (i, j)."""
         clipped = -advantages * torch.clamp(ratio, self.lower[i], self.upper[j])
         losses = torch.maximum(unclipped, clipped)
         metrics = {"pg_clipfrac": masked_mean(torch.gt(clipped, unclipped).float(), mask).item()}
         dual = -advantages * self.clip_ratio_c
         negative = advantages < 0
-        dual_clipped = torch.gt(losses, dual) & negative
-        metrics["pg_clipfrac_lower"] = masked_mean(dual_clipped.float(), mask).item()
+        dual_clipped = (torch.gt(losses, dual) & negative).float()
+        metrics["pg_clipfrac_lower"] = masked_mean(dual_clipped, mask).item()
         losses = torch.where(negative, torch.min(dual, losses), losses)
         return aggregate_loss(losses, mask, loss_agg_mode=self.loss_agg_mode), metrics
 
     @classmethod
     def default_args(cls) -> Dict:
-        """Return the constructor's defaults: the paper's Sec. 5.1 settings, token-mean, synced."""
-        parameters = inspect.signature(cls.__init__).parameters
-        return {k: p.default for k, p in parameters.items() if k not in ("self", "backend")}
+        """Return the paper's Sec. 5.1 settings, token-mean, synchronised."""
+        return {
+            "ratio_lower_start": 0.6,
+            "ratio_lower_max": 0.9,
+            "ratio_lower_step": 0.02,
+            "ratio_upper_start": 1.2,
+            "ratio_upper_max": 3.0,
+            "ratio_upper_step": 0.05,
+            "positive_contribution_target": 0.4,
+            "search_order": "upper_first",
+            "clip_ratio_c": 3.0,
+            "loss_agg_mode": "token-mean",
+            "sync_across_dp": True,
+        }
