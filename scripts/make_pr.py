@@ -3,9 +3,10 @@
 ``dist/trinity-rft-policy-loss-runtime-keys.patch``: the interface (``patches/runtime-keys-*``
 and its test); ``dist/trinity-rft-bapo.patch``: BAPO (``patches/bapo-*``, our modules, the
 examples, its tests), on top of the interface; ``dist/trinity-rft-loss-agg-mode.patch``: the
-config fix and its test, alone. Each is the diff from its base tree (the unpacked sdist, from
-PyPI, cached in build/sdist/, with its base's changes) to the same tree with its patches applied
-and its files added, after its description (``patches/pr/<name>.md``), which ``git apply`` skips.
+config fix and its test, alone. Each is one commit, as ``git format-patch`` writes it, on its
+base tree (the unpacked sdist, from PyPI, cached in build/sdist/, with its base's commit): its
+patches applied and its files added, with its description (``patches/pr/<name>.md``) as the
+message. ``git am -3`` and ``git apply`` both take it.
 Run: make pr (or: python -m scripts.make_pr [OUTPUT_DIR])
 """
 
@@ -23,6 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 PATCHES = REPO / "patches"
 OUTPUT = REPO / "dist"
 SDIST = REPO / "build" / "sdist" / "trinity_rft-0.6.0.tar.gz"
+# the commits' author and date, fixed so that a rerun writes the same bytes; `git am` keeps them
+AUTHOR = ["-c", "user.name=Trinity-RFT contributor", "-c", "user.email=contributor@example.com"]
+DATES = {"GIT_AUTHOR_DATE": "2026-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2026-01-01T00:00:00Z"}
 
 
 @dataclass(frozen=True)
@@ -35,14 +39,11 @@ class PullRequest:
     base: Optional["PullRequest"] = None
 
     def description(self) -> str:
-        """The text before the diff: the description, then the parts the patch holds."""
-        parts = [(PATCHES / p).read_text().split("\n--- a/", 1)[0].strip() for p in self.patches]
+        """The commit message: the description, then the parts the patch holds, one line each."""
+        subjects = [(PATCHES / p).read_text().splitlines()[0] for p in self.patches]
+        parts = "".join(f"- {line.split('] ', 1)[1]}\n" for line in subjects)
         head = (PATCHES / "pr" / f"{self.name}.md").read_text().strip()
-        changes = "".join(part.replace("Subject: ", "") + "\n\n" for part in parts)
-        files = "".join(f"  {rel}\n" for rel in self.files)
-        return (
-            f"{head}\n\nChanges to existing files, one part each:\n\n{changes}New files:\n{files}\n"
-        )
+        return f"{head}\n\nChanges to existing files:\n{parts}"
 
 
 def _files(name: str) -> List[str]:
@@ -84,11 +85,11 @@ def unpack(into: Path) -> Path:
     return into / "trinity_rft-0.6.0"
 
 
-def git(root: Path, *args: str) -> str:
+def git(root: Path, *args: str, stdin: Optional[str] = None) -> str:
     """Run git in ``root`` (never in an enclosing repository) and return its output."""
-    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(root.parent)}
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(root.parent), **DATES}
     return subprocess.run(
-        ["git", *args], cwd=root, env=env, capture_output=True, text=True, check=True
+        ["git", *args], cwd=root, env=env, input=stdin, capture_output=True, text=True, check=True
     ).stdout
 
 
@@ -100,20 +101,18 @@ def add(root: Path, pr: PullRequest) -> None:
         shutil.copyfile(REPO / rel, root / rel)
 
 
-def diff(pr: PullRequest) -> str:
-    """The pull request's diff against its base tree, made in a scratch git repository."""
+def format_patch(pr: PullRequest) -> str:
+    """The pull request as ``git format-patch`` writes it: one commit on its base tree."""
     with tempfile.TemporaryDirectory(prefix="trinity-pr-") as tmp:
         root = unpack(Path(tmp))
         git(root, "init", "-q")
-        if pr.base is not None:
-            add(root, pr.base)
-        git(root, "add", "-A")
-        base = git(root, "write-tree").strip()
-        add(root, pr)
-        git(root, "add", "-A")
-        head = git(root, "write-tree").strip()
-        prefixes = ["--src-prefix=a/", "--dst-prefix=b/", "--no-renames", "--no-ext-diff"]
-        return git(root, "diff", "--no-color", *prefixes, base, head)
+        for step in [None, pr.base, pr] if pr.base else [None, pr]:
+            message = "Trinity-RFT 0.6.0" if step is None else step.description()
+            if step is not None:
+                add(root, step)
+            git(root, "add", "-A")
+            git(root, *AUTHOR, "commit", "-q", "--cleanup=verbatim", "-F", "-", stdin=message)
+        return git(root, "format-patch", "--stdout", "--no-renames", "--no-signature", "-1")
 
 
 def main(output: Path = OUTPUT) -> int:
@@ -121,7 +120,7 @@ def main(output: Path = OUTPUT) -> int:
     output.mkdir(parents=True, exist_ok=True)
     for pr in pull_requests():
         path = output / f"trinity-rft-{pr.name}.patch"
-        path.write_text(pr.description() + diff(pr))
+        path.write_text(format_patch(pr))
         print(f"wrote {path}: {len(pr.patches)} parts, {len(pr.files)} files added")
     return 0
 

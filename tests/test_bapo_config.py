@@ -115,10 +115,10 @@ def test_default_args_and_constructor_defaults_are_the_papers():
 
 
 @pytest.mark.parametrize("name", [MAIN, COLOCATE])
-def test_example_writes_the_papers_values_and_the_mode_in_both_places(name):
+def test_example_writes_no_bapo_argument_and_gets_the_papers_values(job_dirs, name):
     algorithm = written(name)["algorithm"]
-    assert algorithm["policy_loss_fn_args"] == DEFAULTS
-    assert algorithm["loss_agg_mode"] == "token-mean"
+    assert "policy_loss_fn_args" not in algorithm and "loss_agg_mode" not in algorithm
+    assert load_example(name).algorithm.policy_loss_fn_args == DEFAULTS
 
 
 @pytest.mark.parametrize("name", [MAIN, COLOCATE])
@@ -176,21 +176,22 @@ def test_single_gpu_example_colocates_a_small_model_on_one_gpu(job_dirs):
     assert config.explorer.rollout_model.engine_num == 1 and config.trainer.optimizer_offload
 
 
-# Where loss_agg_mode is written: (key dropped from the example's algorithm, sections written in)
+# Where loss_agg_mode is written: (loss arguments written beside it, sections written in)
 PLACES = {
-    "in-both-places": (None, ("algorithm", "policy_loss_fn_args")),  # as the examples write it
-    "at-algorithm-level": (None, ("algorithm",)),  # beside written args that hold it too
-    "only-among-loss-args": ("loss_agg_mode", ("policy_loss_fn_args",)),
-    "at-algorithm-level-with-no-loss-args": ("policy_loss_fn_args", ("algorithm",)),  # defaults
+    "in-both-places": (True, ("algorithm", "policy_loss_fn_args")),
+    "at-algorithm-level-beside-other-loss-args": (True, ("algorithm",)),
+    "only-among-loss-args": (True, ("policy_loss_fn_args",)),
+    "at-algorithm-level-with-no-loss-args": (False, ("algorithm",)),  # as the examples write it
 }
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
-@pytest.mark.parametrize("dropped, sections", PLACES.values(), ids=PLACES.keys())
-def test_loss_agg_mode_reaches_bapo_and_the_trainer(job_dirs, dropped, sections, mode):
+@pytest.mark.parametrize("args, sections", PLACES.values(), ids=PLACES.keys())
+def test_loss_agg_mode_reaches_bapo_and_the_trainer(job_dirs, args, sections, mode):
     example = written(MAIN)
     algorithm = example["algorithm"]
-    algorithm.pop(dropped, None)
+    if args:
+        algorithm["policy_loss_fn_args"] = {"positive_contribution_target": 0.45}
     for section in sections:
         (algorithm if section == "algorithm" else algorithm[section])["loss_agg_mode"] = mode
     (job_dirs / "config.yaml").write_text(yaml.safe_dump(example))
@@ -213,20 +214,37 @@ def test_sync_flag_reaches_the_loss(tmp_path):
 
 
 BAD_ARGUMENTS = [("positive_contribution_target", 1.5), ("search_order", "sideways")]
-BAD_ARGUMENTS += [("clip_ratio_c", 1.0), ("sync_across_dp", "yes")]
+BAD_ARGUMENTS += [("clip_ratio_c", 1.0), ("ratio_upper_max", "3.0"), ("ratio_lower_step", None)]
 
 
 @pytest.mark.parametrize("argument, value", BAD_ARGUMENTS)
 def test_bad_argument_fails_at_config_validation(job_dirs, argument, value):
     """The main example with one bad value: the validator chain names it, no worker is built."""
     example = written(MAIN)
-    example["algorithm"]["policy_loss_fn_args"][argument] = value
+    example["algorithm"]["policy_loss_fn_args"] = {argument: value}
     (job_dirs / "config.yaml").write_text(yaml.safe_dump(example))
     config = load_config(str(job_dirs / "config.yaml"))
     with pytest.raises(ValueError, match=f"`{argument}`"):
         AlgorithmConfigValidator().validate(config)
     with pytest.raises(ValueError, match=f"`{argument}`"):
         load_and_validate(job_dirs / "config.yaml")
+
+
+def test_bad_algorithm_mode_fails_at_config_validation(job_dirs):
+    """The preset builds the loss with the algorithm's mode where the loss arguments have none."""
+    example = written(MAIN)
+    example["algorithm"].update(loss_agg_mode="token-sum", policy_loss_fn_args={"clip_ratio_c": 2})
+    (job_dirs / "config.yaml").write_text(yaml.safe_dump(example))
+    with pytest.raises(ValueError, match="`loss_agg_mode`"):
+        load_and_validate(job_dirs / "config.yaml")
+
+
+def test_the_tinker_trainer_is_refused_at_config_validation(job_dirs):
+    example = written(MAIN)
+    example["trainer"]["trainer_type"] = "tinker"
+    (job_dirs / "config.yaml").write_text(yaml.safe_dump(example))
+    with pytest.raises(ValueError, match="once per experience"):
+        AlgorithmConfigValidator().validate(load_config(str(job_dirs / "config.yaml")))
 
 
 def test_misspelt_argument_fails_at_config_validation(tmp_path):

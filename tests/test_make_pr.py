@@ -21,7 +21,10 @@ SDIST = REPO / "build" / "sdist" / "trinity_rft-0.6.0.tar.gz"
 SITE = Path(str(importlib.metadata.distribution("trinity-rft").locate_file("")))
 PATCHES = REPO / "patches"
 KEYS_TEST = "tests/algorithm/policy_loss_runtime_keys_test.py"
-BAPO_TESTS = ["tests/algorithm/policy_loss_test.py", "tests/algorithm/bapo_data_parallel_test.py"]
+BAPO_TESTS = [
+    "tests/algorithm/test_bapo_policy_loss.py",
+    "tests/algorithm/test_bapo_data_parallel.py",
+]
 FIX_TEST = "tests/common/loss_agg_mode_config_test.py"
 # name -> (its parts in order, the files it adds, the pull request it applies on top of)
 PULL_REQUESTS = {
@@ -37,8 +40,6 @@ PULL_REQUESTS = {
         ["bapo-0001-register-bapo.patch", "bapo-0002-readme-lists-bapo.patch"],
         {
             "trinity/algorithm/policy_loss_fn/bapo_policy_loss.py",
-            "trinity/algorithm/policy_loss_fn/bapo_search.py",
-            "trinity/algorithm/policy_loss_fn/bapo_sync.py",
             "examples/bapo_gsm8k/gsm8k.yaml",
             "examples/bapo_gsm8k/gsm8k_colocate.yaml",
             "examples/bapo_gsm8k/README.md",
@@ -120,7 +121,7 @@ def pytest_in(tree: Path, files, path=(), *options: str) -> subprocess.Completed
 # What a file of a pull request must not name: this repository's tooling and layout
 OUR_TOOLING = re.compile(
     r"\bmake (setup|test|lint|pr|demo|bench|experiment|dp-check)\b|`make`"
-    r"|\bpatches/|\bdocs/|\.venv\b|\bscripts/"
+    r"|\bpatches/|\bdocs/(?!sphinx_doc/)|\.venv\b|\bscripts/"
 )
 
 
@@ -153,14 +154,44 @@ def test_subjects_are_numbered_against_their_own_series(name) -> None:
 
 
 def test_bapo_description_names_the_interface_it_builds_on(written) -> None:
-    description = (written / "trinity-rft-bapo.patch").read_text().split("\n--- a/", 1)[0]
+    description = (written / "trinity-rft-bapo.patch").read_text().split("\ndiff --git", 1)[0]
     assert "policy loss: runtime keys" in description
 
 
-def test_each_patch_holds_its_parts_and_files(applied) -> None:
+# Files the repository holds though the sdist does not ship them (names near ours)
+UPSTREAM_ONLY = {
+    "tests/algorithm/policy_loss_test.py",
+    "tests/common/config_test.py",
+    "README_zh.md",
+    "docs/sphinx_doc/source/main.md",
+    "docs/sphinx_doc/source_zh/main.md",
+}
+
+
+def test_each_patch_holds_its_parts_and_files(applied, written) -> None:
+    """It changes its parts' files and creates its own, none of which the repository holds."""
     name, _, touched = applied
     patches, added, _ = PULL_REQUESTS[name]
     assert set(touched) == touched_by(patches) | added
+    text = (written / f"trinity-rft-{name}.patch").read_text()
+    created = set(re.findall(r"^diff --git a/\S+ b/(\S+)\nnew file mode", text, re.M))
+    assert created == added and not created & UPSTREAM_ONLY
+
+
+def test_git_am_takes_the_three_in_order_on_a_repository_of_the_release(
+    written, tmp_path_factory
+) -> None:
+    """As a maintainer opens them: commits of the interface, BAPO, then the config fix."""
+    tree = fresh_tree(tmp_path_factory)
+    who = ["-c", "user.name=maintainer", "-c", "user.email=maintainer@example.com"]
+    for args in (["init", "-q"], ["add", "-A"], [*who, "commit", "-qm", "v0.6.0"]):
+        assert run("git", *args, cwd=tree).returncode == 0
+    for name in ("policy-loss-runtime-keys", "bapo", "loss-agg-mode"):
+        patch = written / f"trinity-rft-{name}.patch"
+        done = run("git", *who, "am", "-3", "--keep-non-patch", patch, cwd=tree)
+        assert done.returncode == 0, (name, done.stdout, done.stderr)
+    log = run("git", "log", "--format=%s", cwd=tree).stdout.splitlines()
+    assert [line.split(" ", 1)[0] for line in log] == ["[Fix]", "[Feature]", "[Feature]", "v0.6.0"]
 
 
 def test_every_touched_file_equals_ours(applied) -> None:
@@ -224,8 +255,8 @@ def test_bapo_tests_fail_when_a_claim_is_undone(breakage, written, tmp_path_fact
     assert done.returncode == 1 and any(test in name for name in failed), done.stdout[-3000:]
 
 
-# Writes each mode where the example configs write it, then loads them through the tree's own
-# loader and offline validators and builds the trainer's loss: (algorithm's, loss's) modes.
+# Writes each mode at the algorithm level of the example configs, then loads them through the
+# tree's own loader and offline validators and builds the trainer's loss: (algorithm's, loss's).
 EXAMPLE_MODES = """
 import json, sys, yaml
 from trinity.algorithm import POLICY_LOSS_FN
@@ -235,11 +266,9 @@ from trinity.common.config_validator import BufferConfigValidator, validators
 found = {}
 for name in ("gsm8k", "gsm8k_colocate"):
     written = yaml.safe_load(open(f"examples/bapo_gsm8k/{name}.yaml"))
-    assert "loss_agg_mode" in written["algorithm"], name  # the example writes it in both places
-    assert "loss_agg_mode" in written["algorithm"]["policy_loss_fn_args"], name
+    assert "policy_loss_fn_args" not in written["algorithm"], name  # the defaults are the paper's
     for mode in sys.argv[1:]:
         written["algorithm"]["loss_agg_mode"] = mode
-        written["algorithm"]["policy_loss_fn_args"]["loss_agg_mode"] = mode
         yaml.safe_dump(written, open("config.yaml", "w"))
         config = load_config("config.yaml")
         for validator in validators:
@@ -253,11 +282,13 @@ print(json.dumps(found))
 AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
-def test_examples_reach_the_loss_with_their_mode_without_the_config_fix(
-    written, tmp_path_factory
-) -> None:
-    """On 0.6.0 with the interface and BAPO PRs, each mode as the examples write it is BAPO's."""
+@pytest.mark.parametrize("base", ["bapo", "loss-agg-mode"])
+def test_examples_reach_the_loss_with_the_algorithm_mode(base, written, tmp_path_factory) -> None:
+    """A mode written at the algorithm level only is BAPO's, with and without the config fix."""
     tree = patched_tree("bapo", written, tmp_path_factory)
+    if base == "loss-agg-mode":
+        done = run("git", "apply", written / "trinity-rft-loss-agg-mode.patch", cwd=tree)
+        assert done.returncode == 0, done.stderr
     checkpoints = str(tmp_path_factory.mktemp("checkpoints"))
     done = run(
         sys.executable,
@@ -269,4 +300,5 @@ def test_examples_reach_the_loss_with_their_mode_without_the_config_fix(
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(found) == 2 * len(AGG_MODES)
+    # with no loss argument written, the defaults hold the key: even 0.6.0 copies the mode
     assert all(modes == [key.split("/")[1]] * 2 for key, modes in found.items()), found

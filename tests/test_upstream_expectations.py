@@ -11,7 +11,7 @@ import math
 import pytest
 
 from tests import oracle
-from tests.algorithm import policy_loss_test as upstream
+from tests.algorithm import test_bapo_policy_loss as upstream
 from trinity.algorithm.policy_loss_fn import POLICY_LOSS_FN
 
 METHODS = [

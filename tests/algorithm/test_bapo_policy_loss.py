@@ -5,7 +5,8 @@ The expected values were computed independently of this implementation: by a pla
 loop-by-loop transcription of the paper's Algorithm 1 (and of the authors' lower-bound-first
 order), which recomputes the positive contribution (Eq. 8) from the tokens for every candidate
 pair, and of the clipped loss at the chosen pair, in float64, on the inputs built in setUp. Such
-a transcription is written out below and checked against the loss on seeded random inputs.
+a transcription is written out below and checked against the loss on seeded random inputs. With
+both ranges collapsed to points, BAPO is PPOPolicyLossFn's clip at those bounds.
 """
 
 import math
@@ -16,6 +17,7 @@ import torch
 from verl import DataProto
 
 from trinity.algorithm.policy_loss_fn import POLICY_LOSS_FN
+from trinity.algorithm.policy_loss_fn.ppo_policy_loss import PPOPolicyLossFn
 
 
 def reference_rho(tokens, c_low, c_high):
@@ -191,3 +193,34 @@ class BAPOPolicyLossTest(unittest.TestCase):
             policy_loss_fn_cls(**point)
         policy_loss_fn_cls(**point, search_order="lower_first")
         policy_loss_fn_cls(**point, ratio_upper_start=1.2, ratio_upper_max=1.2)  # PPO's clip
+
+    def test_bapo_with_point_ranges_is_ppo(self):
+        """Ranges collapsed to (0.8, 1.28): PPO's loss, gradient and metrics, in every mode."""
+        points = {"ratio_lower_start": 0.8, "ratio_lower_max": 0.8}
+        points.update(ratio_upper_start=1.28, ratio_upper_max=1.28)
+        modes = [
+            "token-mean",
+            "seq-mean-token-sum",
+            "seq-mean-token-mean",
+            "seq-mean-token-sum-norm",
+        ]
+        for loss_agg_mode in modes:
+            results = []
+            for policy_loss_fn in (
+                POLICY_LOSS_FN.get("bapo")(**points, loss_agg_mode=loss_agg_mode),
+                PPOPolicyLossFn(
+                    clip_range_low=0.2, clip_range_high=0.28, loss_agg_mode=loss_agg_mode
+                ),
+            ):
+                logprob = self.logprob.clone().requires_grad_(True)
+                loss, metrics = policy_loss_fn(log_prob=logprob, **self.input_data.batch)
+                loss.backward()
+                results.append((loss.detach(), logprob.grad, metrics))
+            (loss, grad, metrics), (ppo_loss, ppo_grad, ppo_metrics) = results
+            self.assertTrue(torch.allclose(loss, ppo_loss), loss_agg_mode)
+            self.assertTrue(torch.allclose(grad, ppo_grad), loss_agg_mode)
+            self.assertGreater(grad.abs().sum().item(), 0)
+            self.assertGreater(ppo_metrics["pg_clipfrac"], 0)
+            for key, value in ppo_metrics.items():
+                self.assertAlmostEqual(metrics[key], value, places=6, msg=(loss_agg_mode, key))
+            self.assertEqual((metrics["bapo_clip_low"], metrics["bapo_clip_high"]), (0.8, 1.28))

@@ -135,26 +135,41 @@ class BAPORuntimeKeyTest(unittest.TestCase):
         )
 
     def test_the_preset_warns_where_the_trainer_passes_no_group(self):
-        """Tinker and the legacy (verl < 0.8) FSDP and Megatron actors pass no dp_group."""
-        named = {  # (trainer_type, trainer_strategy, verl < 0.8): the backend a warning names
-            ("verl", "fsdp2", False): None,
-            ("tinker", "fsdp2", False): "the Tinker trainer",
-            ("verl", "fsdp", True): "the legacy fsdp actor",
-            ("verl", "megatron", True): "the legacy megatron actor",
+        """The legacy (verl < 0.8) FSDP and Megatron actors pass no dp_group."""
+        named = {  # (trainer_strategy, verl < 0.8): the actor a warning names
+            ("fsdp2", False): None,
+            ("fsdp", True): "the legacy fsdp actor",
+            ("megatron", True): "the legacy megatron actor",
         }
-        for (trainer_type, strategy, legacy), backend in named.items():
+        for (strategy, legacy), actor in named.items():
             for sync in (True, False):
                 config = Config()
-                config.trainer.trainer_type = trainer_type
                 config.trainer.trainer_strategy = strategy
                 config.algorithm.policy_loss_fn_args = {"sync_across_dp": sync}
                 with mock.patch("trinity.algorithm.algorithm.logger") as logger:
                     with mock.patch("trinity.trainer.trainer.is_verl_legacy", return_value=legacy):
                         BAPOAlgorithm.check_config(config)
                 warnings = [call.args[0] for call in logger.warning.mock_calls]
-                self.assertEqual(len(warnings), 1 if backend and sync else 0, (backend, sync))
+                self.assertEqual(len(warnings), 1 if actor and sync else 0, (actor, sync))
                 for warning in warnings:
-                    self.assertIn(f"BAPO: {backend}", warning)
+                    self.assertIn(f"BAPO: {actor}", warning)
+
+    def test_the_preset_refuses_the_tinker_trainer(self):
+        """Tinker calls the policy loss once per experience: bounds per sequence, not per update."""
+        config = Config()
+        config.trainer.trainer_type = "tinker"
+        with self.assertRaisesRegex(ValueError, "once per experience"):
+            BAPOAlgorithm.check_config(config)
+
+    def test_the_preset_builds_the_loss_with_the_algorithm_mode(self):
+        """A mode the loss arguments leave out is the algorithm's: a bad one fails at validation."""
+        config = Config()
+        config.algorithm.loss_agg_mode = "token-sum"
+        config.algorithm.policy_loss_fn_args = {"positive_contribution_target": 0.5}
+        with self.assertRaisesRegex(ValueError, "loss_agg_mode"):
+            BAPOAlgorithm.check_config(config)
+        config.algorithm.loss_agg_mode = "seq-mean-token-mean"
+        BAPOAlgorithm.check_config(config)
 
 
 @unittest.skipUnless(ENGINE_LOSS, "needs verl >= 0.8, whose engine passes dp_group")
