@@ -10,6 +10,7 @@ both use; where none is written, each loss must keep the mode trinity-rft 0.6.0 
 
 import inspect
 import unittest
+from unittest import mock
 
 from trinity.algorithm import ALGORITHM_TYPE, POLICY_LOSS_FN
 from trinity.common.config import Config, ExperienceBufferConfig
@@ -164,6 +165,16 @@ class LossAggModeConfigTest(unittest.TestCase):
     def test_mode_in_loss_args_only_is_the_algorithms(self):
         """A mode written only in the loss args is the trainer's mode too."""
         self.check_written(None, LOSS_ARGS_MODE, LOSS_ARGS_MODE)
+
+    def test_a_mode_taken_from_the_loss_args_is_logged(self):
+        """0.6.0 replaced such a mode with token-mean: such a config now trains otherwise."""
+        for algorithm_mode, logged in ((None, 1), (ALGORITHM_MODE, 0)):
+            with mock.patch("trinity.common.config_validator.get_logger") as get_logger:
+                validated("grpo", algorithm_mode, {"loss_agg_mode": LOSS_ARGS_MODE})
+            lines = [call.args[0] for call in get_logger.return_value.info.mock_calls]
+            lines = [line for line in lines if "policy_loss_fn_args" in line]
+            self.assertEqual(len(lines), logged, lines)
+            self.assertTrue(all(LOSS_ARGS_MODE in line for line in lines))
 
     def test_algorithm_level_mode_wins_when_both_are_written(self):
         """Written in both places, the algorithm-level mode is the one both use."""
