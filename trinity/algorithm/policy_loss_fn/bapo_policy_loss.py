@@ -7,7 +7,7 @@ data-parallel ranks' tokens with ``sync_across_dp``.
 
 import numbers
 from fractions import Fraction
-from typing import Dict, List, Tuple
+from typing import Dict, List, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,8 @@ AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 
 def number(name: str, value, low: float, high: float) -> float:
     """``value`` as a float; a ``ValueError`` naming ``name`` unless it is a number in range."""
-    if isinstance(value, bool) or not (isinstance(value, numbers.Real) and low <= value <= high):
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (real and low <= cast(float, value) <= high):
         raise ValueError(f"BAPO: `{name}` must be a number in [{low}, {high}]: {value!r}")
     return float(value)
 
