@@ -5,10 +5,17 @@ patches/series is applied by ``git apply`` to copies that move into place togeth
 released if its sha256 is RECORD's, patched if reverse-applying the series gives those bytes;
 anything else is refused, by name. Our ``trinity/*.py`` are copied in (hashes in
 trinity/.bapo-installed.json), never over a copy edited in place or a file not ours.
+
+A file at one of our module paths is ours when that record lists it or, failing that, when pip's
+RECORD does not and its bytes are the repo's module (``apply`` records it, ``revert`` removes it).
+Other files pip did not install are left alone; ``status`` calls those at or beside our module
+paths (older copies of ours, say) foreign. ``apply`` and ``revert`` take turns, by an flock.
 """
 
 import argparse
 import base64
+import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -18,11 +25,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DIST, VERSION = "trinity-rft", "0.6.0"
 RECORD = "trinity/.bapo-installed.json"
+NOTES = {
+    "unrecorded": "a copy of ours missing from the record: `apply` records it, `revert` removes it",
+    "foreign": "neither pip's nor ours: `apply` will not replace it and `revert` leaves it; "
+    "remove it by hand if it is an older copy of ours",
+}
 
 
 def sha256(path: Path) -> str:
@@ -66,9 +79,9 @@ def stage(site: Path, rels: list[str], tmp: str) -> Path:
     return Path(tmp)
 
 
-def place(site: Path, sources: dict[str, Path]) -> dict[str, str]:
-    """Put copies of the sources at their targets, all or none; return the copies' hashes."""
-    pending, hashes = [], {}  # copies next to their targets, then renames (which cannot fail)
+def place(site: Path, sources: dict[str, Path]) -> None:
+    """Put copies of the sources at their targets, all or none."""
+    pending = []  # copies next to their targets, then renames (which cannot fail)
     try:
         for rel, src in sources.items():
             (site / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -76,14 +89,12 @@ def place(site: Path, sources: dict[str, Path]) -> dict[str, str]:
             pending.append((tmp, site / rel))
             shutil.copyfile(src, tmp)
             os.chmod(tmp, 0o644)
-            hashes[rel] = sha256(tmp)
     except BaseException:
         for tmp, _ in pending:
             tmp.unlink(missing_ok=True)
         raise
     for tmp, dst in pending:
         os.replace(tmp, dst)  # a fresh mtime, so no cached bytecode of the old copy matches
-    return hashes
 
 
 def file_states(site: Path, released: dict[str, str]) -> dict[str, str]:
@@ -131,19 +142,38 @@ def rewrite(site: Path, released: dict[str, str], patches: list[Path], reverse: 
         place(site, {rel: root / rel for rel in rels})
 
 
-def module_states(site: Path, overlay: Path) -> dict[str, str]:
-    """Map each repo module to installed, outdated, absent, modified or blocked (not ours)."""
+def module_states(site: Path, overlay: Path, released: dict[str, str]) -> dict[str, str]:
+    """Map each repo module to its state; `apply` replaces none modified, blocked or foreign.
+
+    A recorded copy is installed, outdated (the recorded bytes) or modified; a file the record
+    lacks is unrecorded (the repo's bytes: ours) or foreign; a path pip installed is blocked.
+    """
     record, states = read_record(site), {}
     for src in sorted(p for p in overlay.rglob("*.py") if "__pycache__" not in p.parts):
         rel = str(src.relative_to(overlay.parent))
         dst, state = site / rel, "absent"
-        if dst.exists():
+        if rel in released:
+            state = "blocked"
+        elif dst.exists() and rel in record:
             digest, wanted = sha256(dst), sha256(src)
             state = "installed" if digest == wanted else "outdated"
-            state = "modified" if digest not in (record.get(rel), wanted) else state
-            state = state if rel in record else "blocked"
+            state = state if digest in (wanted, record[rel]) else "modified"
+        elif dst.exists():
+            state = "unrecorded" if sha256(dst) == sha256(src) else "foreign"
         states[rel] = state
     return states
+
+
+def strays(site: Path, released: dict[str, str], rels: list[str]) -> list[str]:
+    """Files ``*.py`` beside the modules `rels` that neither pip's RECORD nor our record lists."""
+    found = {str(p.relative_to(site)) for rel in rels for p in (site / rel).parent.glob("*.py")}
+    return sorted(found - set(released) - set(read_record(site)))
+
+
+def listing(states: dict[str, str]) -> list[str]:
+    """One line per file, then what the states that need a word mean, for the user to act on."""
+    lines = [f"  {state:<9} {rel}" for rel, state in states.items()]
+    return lines + [f"{s}: {NOTES[s]}" for s in sorted(set(states.values()) & set(NOTES))]
 
 
 def read_record(site: Path) -> dict[str, str]:
@@ -163,37 +193,59 @@ def remove_modules(site: Path, rels: list[str]) -> None:
                     sub.rmdir()
 
 
+@contextlib.contextmanager
+def locked(site: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `site`: a concurrent run waits, then finds the work done."""
+    handle = os.open(site, os.O_RDONLY)  # the directory itself, so no lock file is left behind
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)  # frees the lock, as the end of the process would
+
+
 def cmd_apply(site: Path, overlay: Path, reverse: bool) -> None:
     """Patch or revert (unless done already), then install or remove our modules."""
     released = released_hashes(site)
     todo = pending(site, released, "revert" if reverse else "apply")
-    modules = {} if reverse else module_states(site, overlay)
-    clashes = [f"  {rel} ({s})" for rel, s in modules.items() if s in ("modified", "blocked")]
+    states = module_states(site, overlay, released)
+    wanted = {} if reverse else states
+    clashes = {rel: s for rel, s in wanted.items() if s in ("modified", "blocked", "foreign")}
     if clashes:
-        raise SystemExit("refusing to install our modules over these files:\n" + "\n".join(clashes))
+        lines = ["refusing to install our modules over these files:", *listing(clashes)]
+        raise SystemExit("\n".join(lines))
     if todo:
         rewrite(site, released, todo, reverse)
     print(f"{len(todo)} of {len(series())} patches {'reverted' if reverse else 'applied'} now")
     before = read_record(site)
-    remove_modules(site, [rel for rel in before if rel not in modules])
-    copies = {rel: overlay.parent / rel for rel, state in modules.items() if state != "installed"}
-    record = {rel: h for rel, h in before.items() if rel in modules} | place(site, copies)
+    ours = set(before) | {rel for rel, state in states.items() if state == "unrecorded"}
+    removed = sorted(ours - set(wanted) - set(released))  # never a file pip installed
+    remove_modules(site, removed)
+    copies = {rel: overlay.parent / rel for rel, s in wanted.items() if s in ("absent", "outdated")}
+    place(site, copies)
+    record = {rel: sha256(site / rel) for rel in wanted}
     if record and record != before:
         tmp = Path(f"{site / RECORD}.{os.getpid()}")
         tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
         os.replace(tmp, site / RECORD)
     elif not record:
         (site / RECORD).unlink(missing_ok=True)
-    print(f"our modules: {len(modules)} installed, {len(copies)} of them copied now")
+    if reverse:
+        left = {rel: "foreign" for rel in strays(site, released, list(states))}
+        print("\n".join([f"our modules: {len(removed)} removed", *listing(left)]))
+    else:
+        print(f"our modules: {len(wanted)} installed, {len(copies)} of them copied now")
 
 
 def cmd_status(site: Path, overlay: Path) -> bool:
     """Print the state of every touched file and module; True when all is as the repo has it."""
-    files, modules = file_states(site, released_hashes(site)), module_states(site, overlay)
+    released = released_hashes(site)
+    files, modules = file_states(site, released), module_states(site, overlay, released)
     modules |= {rel: "stale" for rel in read_record(site) if rel not in modules}
+    others = {rel: "foreign" for rel in strays(site, released, list(modules)) if rel not in modules}
     print(f"{DIST} {VERSION} in {site}")
-    for kind, states in (("touched files", files), ("our modules", modules)):
-        print(f"{kind}:\n" + "\n".join(f"  {state:<9} {rel}" for rel, state in states.items()))
+    for kind, states in (("touched files", files), ("our modules", modules | others)):
+        print("\n".join([f"{kind}:", *listing(states)]))
     return set(files.values()) == {"patched"} and set(modules.values()) <= {"installed"}
 
 
@@ -204,10 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--site", type=Path, help="directory that holds the trinity package")
     parser.add_argument("--overlay", type=Path, default=REPO / "trinity", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    site = args.site or Path(str(importlib.metadata.distribution(DIST).locate_file("")))
+    site = (args.site or Path(str(importlib.metadata.distribution(DIST).locate_file("")))).resolve()
     if args.command != "status":
-        cmd_apply(site.resolve(), args.overlay.resolve(), reverse=args.command == "revert")
-    elif not cmd_status(site.resolve(), args.overlay.resolve()):
+        with locked(site):
+            cmd_apply(site, args.overlay.resolve(), reverse=args.command == "revert")
+    elif not cmd_status(site, args.overlay.resolve()):
         return 1  # not everything is patched and installed as the repo has it
     return 0
 

@@ -185,7 +185,15 @@ def test_refuses_to_shadow_an_upstream_module(site: Path, ours: Path) -> None:
     write(ours / "algorithm" / "policy_loss_fn" / "ppo_policy_loss.py", "# hides PPO's loss\n")
     # The clash is found before patching, so the released files stay as they were.
     stderr = refused("apply", site, "--overlay", ours)
-    assert "trinity/algorithm/policy_loss_fn/ppo_policy_loss.py (blocked)" in stderr
+    assert "blocked   trinity/algorithm/policy_loss_fn/ppo_policy_loss.py" in stderr
+
+
+def test_leaves_a_file_of_the_users_at_a_module_path_alone(site: Path) -> None:
+    mine = write(site / modules()[0], "# the user's own\n")
+    stderr = refused("apply", site)
+    assert f"foreign   {modules()[0]}" in stderr and "remove it by hand" in stderr
+    assert f"foreign   {modules()[0]}" in tool("revert", site).stdout
+    assert mine.read_text() == "# the user's own\n"
 
 
 def test_refuses_to_overwrite_an_installed_copy_edited_in_place(site: Path) -> None:
@@ -193,7 +201,7 @@ def test_refuses_to_overwrite_an_installed_copy_edited_in_place(site: Path) -> N
     rel = modules()[0]
     with open(site / rel, "a") as handle:
         handle.write("# edited in site-packages\n")
-    assert f"{rel} (modified)" in refused("apply", site)
+    assert f"modified  {rel}" in refused("apply", site)
     assert (site / rel).read_text().endswith("# edited in site-packages\n")
 
 
@@ -239,3 +247,66 @@ def test_apply_installs_status_reports_and_revert_restores_the_release(site: Pat
     tool("revert", site)
     # Same bytes everywhere and nothing left over: no modules, no record, no temporary files.
     assert snapshot(site, with_times=False) == released
+
+
+def test_without_the_record_revert_restores_the_release(site: Path, released: Path) -> None:
+    tool("apply", site)
+    (site / RECORD).unlink()
+    stdout = tool("status", site, status=1).stdout
+    for rel in modules():
+        assert f"unrecorded {rel}" in stdout
+    assert "`revert` removes it" in stdout
+    assert f"{len(modules())} removed" in tool("revert", site).stdout
+    # Byte for byte pip's files, and no others: what pip's RECORD lists, as the released copy has.
+    record = released_record()
+    assert {rel: sha256(site / rel) for rel in package_files(site)} == {
+        rel: record[rel] for rel in package_files(released)
+    }
+
+
+def test_without_the_record_apply_adopts_identical_copies(site: Path) -> None:
+    tool("apply", site)
+    recorded, before = (site / RECORD).read_text(), snapshot(site)
+    (site / RECORD).unlink()
+    assert "0 of them copied" in tool("apply", site).stdout
+    assert (site / RECORD).read_text() == recorded
+    after = snapshot(site)
+    assert {**after, RECORD: None} == {**before, RECORD: None}  # no module rewritten
+    tool("status", site)
+
+
+def test_status_names_an_unrecorded_older_module_and_revert_leaves_it(site: Path) -> None:
+    tool("apply", site)
+    (site / RECORD).unlink()
+    old = write((site / modules()[0]).with_name("bapo_sync.py"), "# an older copy of ours\n")
+    rel = str(old.relative_to(site))
+    assert f"foreign   {rel}" in tool("status", site, status=1).stdout
+    assert f"foreign   {rel}" in tool("revert", site).stdout
+    assert old.is_file() and not (site / modules()[0]).exists()
+
+
+def test_concurrent_applies_take_turns(released: Path, tmp_path: Path) -> None:
+    patched = tmp_path / "patched"
+    shutil.copytree(released, patched, symlinks=True)
+    tool("apply", patched)
+    # Both interpreters start first, then run the CLI at once when their shared stdin closes.
+    start = "import runpy, sys; sys.stdin.read(); sys.argv[:] = sys.argv[1:]; "
+    code = start + "runpy.run_path(sys.argv[0], run_name='__main__')"
+    for trial in range(12):
+        site = tmp_path / f"site{trial}"
+        shutil.copytree(released, site, symlinks=True)
+        argv = [sys.executable, "-c", code, str(TOOL), "apply", "--site", str(site)]
+        held, release = os.pipe()
+        runs = [
+            subprocess.Popen(argv, stdin=held, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            for _ in range(2)
+        ]
+        os.close(held)
+        os.close(release)
+        try:
+            outputs = [run.communicate(timeout=60)[0].decode() for run in runs]
+        finally:
+            for run in runs:
+                run.kill()  # a no-op once it has exited
+        assert [run.returncode for run in runs] == [0, 0], f"trial {trial}: {outputs}"
+        assert snapshot(site, with_times=False) == snapshot(patched, with_times=False)
