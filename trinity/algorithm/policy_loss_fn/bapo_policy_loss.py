@@ -1,8 +1,7 @@
 """BAPO (https://arxiv.org/abs/2510.18927): PPO clipping with ratio bounds chosen per call.
 
-On stale data negative-advantage tokens dominate the update. BAPO raises c_low and c_high inside
-movable ranges until positive tokens carry a share rho0 of the loss (Eq. 8), on the union of the
-data-parallel ranks' tokens with ``sync_across_dp``.
+On stale data negative-advantage tokens dominate the update: BAPO raises c_low and c_high inside
+movable ranges until positive tokens carry a share rho0 of the loss (Eq. 8), over the dp_group.
 """
 
 import numbers
@@ -149,8 +148,9 @@ class BAPOPolicyLossFn(PolicyLossFn):
         # the bounds as torch.clamp compares them with the ratio (bfloat16 holds 1.2 as 1.203125)
         upper = torch.tensor(self.upper, dtype=ratio.dtype).tolist()
         lower = torch.tensor(self.lower, dtype=ratio.dtype).tolist()
-        sums = [a.new_zeros(()), *(a.clamp(min=0) @ r.clamp(max=c) for c in upper)]
-        sums += [-a.clamp(max=0) @ r.clamp(min=c) for c in lower]
+        positive, negative = a.clamp(min=0), -a.clamp(max=0)
+        sums = [a.new_zeros(()), *(positive @ r.clamp(max=c) for c in upper)]
+        sums += [negative @ r.clamp(min=c) for c in lower]
         return ratio, log_ratio, advantages, unclipped, torch.stack(sums)
 
     def _search(self, positive: List[float], negative: List[float]) -> Tuple[int, int, float]:
