@@ -1,4 +1,4 @@
-"""BAPO on a CUDA device: same decisions as on the CPU, and no hidden host syncs in the search.
+"""BAPO on a CUDA device: the same decisions as on the CPU, and one host sync in the search.
 
 Skipped where no CUDA device exists (CI has none); run on a GPU machine with the same command.
 """
@@ -8,9 +8,9 @@ import warnings
 import pytest
 import torch
 
-from scripts.harness.cases import bench_batch
+from scripts.harness.cases import bench_batch, product_search
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
-from trinity.algorithm.policy_loss_fn.bapo_search import decide
+from trinity.algorithm.policy_loss_fn.ppo_policy_loss import PPOPolicyLossFn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -49,27 +49,30 @@ def test_cuda_decision_loss_and_gradient_match_cpu(order, target, dtype):
     torch.testing.assert_close(gpu_grad, cpu_grad, rtol=tolerance, atol=1e-6)
 
 
-def syncs(call):
-    """(result, number of synchronising CUDA operations) of ``call``."""
+def syncs(call) -> int:
+    """The number of synchronising CUDA operations in ``call()``."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            result = call()
+            call()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    return result, sum("synchroniz" in str(w.message) for w in caught)
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def test_the_search_syncs_the_host_once():
-    """The bins stay on the device; reading them for the walk is the one copy to the host."""
-    fn = BAPOPolicyLossFn()
-    logprob, old, mask, adv = inputs("cuda")
-    fn._prepare(logprob, old, mask, adv)  # the first call moves the bin edges to the device
-    (_, _, _, bins), in_prepare = syncs(lambda: fn._prepare(logprob, old, mask, adv))
-    n_lower = len(fn.lower)
-    _, in_decide = syncs(
-        lambda: decide(bins.tolist(), fn.bounds, n_lower, fn.target, fn.upper_first)
-    )
-    assert (in_prepare, in_decide) == (0, 1)
+def test_the_search_syncs_the_host_once_and_the_call_once_more_than_ppo():
+    """Eq. 8's sums stay on the device until ``sums.tolist()``, the search's one host sync.
+
+    ``_prepare`` rounds the bounds to the ratio's dtype on the host (``torch.tensor(self.upper,
+    dtype=...).tolist()`` waits on nothing); the rest of a call syncs where PPO's does, in the
+    ``.item()`` of the four metrics both report.
+    """
+    bapo, ppo = BAPOPolicyLossFn(), PPOPolicyLossFn(clip_range=0.2)
+    batch = dict(zip(("logprob", "old_logprob", "action_mask", "advantages"), inputs("cuda")))
+    for loss in (bapo, ppo):  # warm-up: the first call creates the cuBLAS handle
+        loss(**batch)
+    counts = [syncs(lambda: bapo._prepare(**batch)), syncs(lambda: product_search(bapo, batch))]
+    counts.append(syncs(lambda: bapo(**batch)) - syncs(lambda: ppo(**batch)))
+    assert counts == [0, 1, 1]

@@ -7,11 +7,11 @@ import sys
 import pytest
 import torch
 
-from scripts.bench import SIZES, TARGETS, bench_cuda, verdict
+from scripts.bench import SIZES, TARGETS, bench_step, cuda_loss, step_inputs, verdict
 from scripts.harness import report, tasks
 from scripts.harness.cases import PAPER, authors_loop, bench_batch
 from scripts.harness.launch import REPO
-from scripts.harness.model import build_model, sample_responses
+from scripts.harness.model import build_model, build_qwen2, sample_responses
 from scripts.harness.variants import variant
 from tests import oracle
 
@@ -19,6 +19,9 @@ DEMO_STEPS = 6
 CALLS_PER_STEP = 4  # the demo's 2 epochs x 1 mini-batch x 2 micro-batches
 LOWER, UPPER = len(range(60, 91, 2)), len(range(120, 301, 5))  # the paper grid's 16 and 37
 FIXED = ("ppo", "ppo_clip_higher", "bapo_fixed_start")  # variants whose pair never moves
+# the bench's CUDA step code at a size the CPU runs in seconds
+TINY_QWEN2 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=512)
+TINY_QWEN2.update(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
 
 
 def run_module(module: str, *argv, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -92,8 +95,8 @@ def test_bench_dp_call_is_one_all_reduce_and_the_baseline_one_per_candidate(benc
     _, result = bench
     collectives = result["dp"]["collectives"]
     assert result["collectives_per_call"] == 1  # a fresh loss's first call
-    # two sums in each bin the 16 + 37 bounds and 0 cut, the failure flag, the non-finite count
-    assert result["all_reduce_values_per_call"] == 2 * (LOWER + UPPER + 2) + 2
+    # the failure flag, Eq. 8's P at each of the 37 upper bounds and N at each of the 16 lower
+    assert result["all_reduce_values_per_call"] == 1 + UPPER + LOWER
     assert collectives["loss_unsynced"] == 0
     # the authors' loop reads rho at each of the 16 lower bounds, then at each of the 37 upper
     assert collectives["authors"] == LOWER + UPPER
@@ -142,10 +145,33 @@ def test_authors_loop_baseline_takes_the_oracles_lower_first_pairs(seed, negativ
         assert list(authors_loop(ratio, batch["advantages"], batch["action_mask"], grid)) == pair
 
 
-def test_cuda_part_on_cpu_takes_the_oracles_pair():
-    result = bench_cuda(quick=True, device="cpu")
+def test_bench_skips_its_cuda_part_in_one_line_without_a_device(bench):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the bench runs its CUDA part")
+    done, result = bench
+    assert result["cuda"] == {"skipped": "no CUDA device"}
+    parts = [line for line in done.stdout.splitlines() if line.startswith("## CUDA")]
+    assert parts == ["## CUDA loss and step: skipped, no CUDA device"]
+
+
+def test_bench_cuda_loss_part_on_cpu_takes_the_oracles_pair():
+    result = cuda_loss(SIZES["quick"], device="cpu")
     assert_choice(result["pairs"][4096], [bench_batch((4, 1024), seed=0)], "upper_first")
     assert all(v > 0 for v in result["search_ms"].values())
+
+
+@pytest.mark.parametrize("negative_share", [0.85, 0.6])  # the bench's whole walk; a stop after 12
+def test_bench_cuda_step_on_cpu_takes_the_oracles_pair_on_the_models_log_probs(negative_share):
+    model, step = build_qwen2(TINY_QWEN2, torch.float32, "cpu"), (2, 8, 120)
+    result = bench_step(model, step, rounds=1, negative_share=negative_share)
+    ids, batch = step_inputs(model, step, negative_share)
+    with torch.no_grad():  # the log-probs apart from the bench: every position's logits
+        logits = model(input_ids=ids).logits[:, step[1] - 1 : -1]
+    targets = ids[:, step[1] :]
+    logprob = -torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+    assert_choice(result["pair"], [dict(batch, logprob=logprob)], "upper_first")
+    ms = result["ms"]
+    assert result["overhead_pct"] == pytest.approx((ms["bapo"] - ms["ppo"]) / ms["ppo"] * 100)
 
 
 @pytest.fixture(scope="module")

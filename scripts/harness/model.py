@@ -1,4 +1,4 @@
-"""The tiny causal LM (a 2-layer Llama built in code, nothing downloaded) and its sampler."""
+"""Causal LMs built in code, nothing downloaded: the tasks' tiny Llama, its sampler, a Qwen2."""
 
 from pathlib import Path
 from typing import Any, Dict
@@ -6,7 +6,13 @@ from typing import Any, Dict
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from scripts.harness.tasks import EOS, MAX_POSITIONS, PAD, RESPONSE_LEN, VOCAB_SIZE
 
@@ -22,6 +28,17 @@ def build_model(seed: int, hidden: int = 64) -> LlamaForCausalLM:
     config.max_position_embeddings, config._attn_implementation = MAX_POSITIONS, "eager"
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
+
+
+def build_qwen2(shape: Dict[str, Any], dtype: torch.dtype, device: Any) -> Qwen2ForCausalLM:
+    """A random Qwen2 causal LM of ``shape`` (``Qwen2Config`` arguments), seed 0, on ``device``.
+
+    Its weights are made on ``device``, so a 0.5B model needs no float32 copy in host memory.
+    """
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(Qwen2Config(**shape))
+    return model.to(dtype=dtype)  # type: ignore[call-arg]  # mypy misreads transformers' `to`
 
 
 def save_model(model: PreTrainedModel, folder: Path) -> Path:
