@@ -1,10 +1,12 @@
 """Checks inside verl 0.8's FSDP engine, run on every rank as ``python -m tests.engine_checks``.
 
-- ``fsdp2`` and ``fsdp1`` (options ``sp``, ``phases``, ``released_losses``): every rank builds
-  ``FSDPEngineWithLMHead`` on one tiny Llama and trains ``engine.train_batch`` steps through
-  ``TrinityPolicyLoss`` around ``bapo``; the engine alone picks the micro-batches and the group.
-  Phases: ``sync``, ``authors`` (their order and grid), ``nosync`` and ``released`` (the
-  released ``losses.py``, which drops the group): the last two controls must disagree.
+- ``fsdp2`` and ``fsdp1`` (options ``sp``, ``phases``, ``released_losses``, ``grads``): every
+  rank builds ``FSDPEngineWithLMHead`` on one tiny Llama and trains ``engine.train_batch`` steps
+  through ``TrinityPolicyLoss`` around ``bapo``; the engine alone picks the micro-batches and the
+  group. Phases: ``sync``, ``authors`` (their order and grid), ``nosync``, ``released`` (the
+  released ``losses.py``, which drops the group) and ``muted`` (BAPO's all-reduce a no-op): the
+  controls must disagree. With ``grads`` (FSDP2 only), the gradient the engine hands its
+  optimizer is compared with one process's oracle gradient (``grad_oracle``).
 - ``worker`` (options ``config_true``, ``config_false``): a Trinity trainer rank minus Ray, from
   each YAML to one ``update_actor`` on this rank's share of a batch.
 """
@@ -13,18 +15,26 @@ import importlib.util
 import math
 import sys
 from pathlib import Path
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from scripts.harness.engine import build_engine, engine_batch, trinity_layout, use_torch_unpad_input
-from scripts.harness.model import build_model, save_model
+from scripts.harness.engine import (
+    build_engine,
+    engine_batch,
+    full_state_dict,
+    trinity_layout,
+    use_torch_unpad_input,
+)
+from scripts.harness.model import build_model, position_ids_for, save_model
 from scripts.harness.recorder import LossRecorder
 from scripts.harness.tasks import VOCAB_SIZE
 from scripts.harness.variants import loss_config
-from tests.inputs import loss_kwargs
+from tests.inputs import chosen, loss_kwargs, point
 from tests.ranks import main
+from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 
 STEPS, MICRO_BATCH = 2, 4  # train_batch calls per phase, sequences per micro-batch
 # Phase: (sync_across_dp, a config of tests.inputs.CONFIGS, the released losses.py)
@@ -33,7 +43,10 @@ PHASES = {
     "authors": (True, "yaml_lower", False),
     "nosync": (False, "paper_upper", False),
     "released": (True, "paper_upper", True),
+    "muted": (True, "paper_upper", False),
 }
+MUTED = {"muted"}  # phases whose BAPO calls find torch.distributed.all_reduce a no-op
+GRAD_PHASES = ("sync", "authors", "nosync", "muted")  # phases whose gradients ``grads`` checks
 BATCH, WIDTH = 8, 6  # sequences per data-parallel rank and step; prompt and response width
 # Share of positive sequences per data-parallel rank: apart, so that alone they choose apart.
 POSITIVE_SHARE = (0.75, 0.15, 0.5, 0.3)
@@ -64,7 +77,12 @@ def cpu_stand_ins(fsdp1: bool = False, worker: bool = False) -> None:
 
 
 def rank_batch(dp_rank: int, step: int) -> TensorDict:
-    """One data-parallel rank's batch in Trinity's layout: one advantage per sequence.
+    """One data-parallel rank's batch in Trinity's layout: one advantage per sequence."""
+    return trinity_layout(*rank_fields(dp_rank, step).values())
+
+
+def rank_fields(dp_rank: int, step: int) -> Dict[str, torch.Tensor]:
+    """The padded fields of ``rank_batch``: prompts (left-padded), responses (right-padded).
 
     Odd ranks hold longer sequences; old log-probs spread the ratios over both clip ranges.
     """
@@ -80,7 +98,8 @@ def rank_batch(dp_rank: int, step: int) -> TensorDict:
     advantages = (sign * (torch.rand(BATCH, generator=gen) + 0.2))[:, None] * response_mask
     old = -(torch.rand(BATCH, WIDTH, generator=gen) * 2.5 + 1.5) * response_mask
     prompts, responses = prompts * prompt_mask, responses * response_mask
-    return trinity_layout(prompts, prompt_mask, responses, response_mask, old, advantages)
+    fields = dict(prompts=prompts, prompt_mask=prompt_mask, responses=responses)
+    return dict(fields, response_mask=response_mask, old=old, advantages=advantages)
 
 
 def loss_class(path):
@@ -95,20 +114,165 @@ def loss_class(path):
     return module.TrinityPolicyLoss
 
 
-def run_phase(engine, phase: str, options: dict, dp_rank: int) -> dict:
-    """Train ``STEPS`` batches with one phase's loss; return what BAPO saw."""
+class MutedAllReduce:
+    """A policy loss during whose calls ``torch.distributed.all_reduce`` does nothing (a control).
+
+    The engine's own collectives, outside the loss's calls, are left alone.
+    """
+
+    def __init__(self, inner):
+        """Wrap the policy loss ``inner``."""
+        self.inner = inner
+
+    def __getattr__(self, name):
+        """Everything else is the real loss's."""
+        return getattr(self.inner, name)
+
+    def __call__(self, **kwargs):
+        """Call the real loss with a no-op all-reduce."""
+        real = dist.all_reduce
+        dist.all_reduce = lambda *args, **kw: None
+        try:
+            return self.inner(**kwargs)
+        finally:
+            dist.all_reduce = real
+
+
+def full_grads(module) -> Dict[str, torch.Tensor]:
+    """Every parameter's gradient, whole on every rank (FSDP2 holds shards: DTensors)."""
+    grads = {}
+    for name, param in module.named_parameters():
+        grad = param.grad
+        if grad is not None:
+            grads[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad.clone()
+    return grads
+
+
+def run_phase(engine, phase: str, options: dict, dp_rank: int, grads_on=False) -> dict:
+    """Train ``STEPS`` batches with one phase's loss; return what BAPO saw (and the gradients)."""
     sync, name, released = PHASES[phase]
     loss = loss_class(released and options["released_losses"])(
         loss_config("bapo", loss_kwargs(name, sync_across_dp=sync))
     )
+    if phase in MUTED:
+        loss.policy_loss_fn = MutedAllReduce(loss.policy_loss_fn)
     recorder = LossRecorder(loss, engine.get_data_parallel_group(), keep_inputs=True)
+    grads, states = list[dict](), list[dict]()
+    check_grads = grads_on and phase in GRAD_PHASES
+    if check_grads:  # what the optimizer gets: after FSDP's reduction, before clipping
+        step_fn = engine.optimizer_step
+
+        def optimizer_step():
+            grads.append(full_grads(engine.module))
+            return step_fn()
+
+        engine.optimizer_step = optimizer_step
     for step in range(STEPS):
         data = engine_batch(rank_batch(dp_rank, step), MICRO_BATCH, options["sp"] != "1")
+        if check_grads:
+            states.append(full_state_dict(engine))
         with engine.train_mode():
             engine.train_batch(data, loss_function=loss)
+    record: dict = {"config": name, "calls": recorder.calls}
+    if check_grads:
+        del engine.optimizer_step  # the class's method again
+        record["grads"] = grad_oracle(name, states, grads, recorder.calls)
     for call in recorder.calls:
         call["data"] = {key: value.tolist() for key, value in call.pop("inputs").items()}
-    return {"config": name, "calls": recorder.calls}
+    return record
+
+
+def response_log_probs(model, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """The plain model's log-probs of a padded batch's response tokens, [rows, WIDTH]."""
+    ids = torch.cat([batch["prompts"], batch["responses"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1)
+    positions = position_ids_for(mask)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+    log_probs = torch.log_softmax(out.logits[:, WIDTH - 1 : -1].float(), dim=-1)
+    return log_probs.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+def ppo_clip(name: str, pair, log_probs, batch) -> torch.Tensor:
+    """PPO-clip at ``pair``: BAPO with both ranges collapsed there, alone (no sync)."""
+    fixed = BAPOPolicyLossFn(**loss_kwargs(name, **point(*pair), sync_across_dp=False))
+    return fixed(
+        logprob=log_probs,
+        old_logprob=batch["old"],
+        action_mask=batch["response_mask"],
+        advantages=batch["advantages"],
+    )[0]
+
+
+def micro_batches(fields: Dict[str, torch.Tensor], starts) -> List[Dict[str, torch.Tensor]]:
+    """A rank's padded fields cut as the engine cuts its batch: rows from each start on."""
+    return [{key: value[i : i + MICRO_BATCH] for key, value in fields.items()} for i in starts]
+
+
+def grad_oracle(name: str, states, grads, calls) -> List[dict]:
+    """Per step, the engine's gradient against one process's, with no FSDP and no group.
+
+    verl 0.8 (``FSDPEngine.forward_backward_batch``) runs ``loss.backward()`` on the value each
+    micro-batch's ``TrinityPolicyLoss`` returns; it only puts ``batch_num_tokens`` and ``dp_size``
+    beside the batch, and Trinity 0.6.0's loss ignores them and returns the micro-batch's own
+    token-mean. FSDP2 then averages the ranks' summed gradients (reduce-scatter, ReduceOp.AVG).
+    So the optimizer gets, for D = dp_size ranks of K micro-batches each,
+
+        g = (1 / D) * sum_{r < D} sum_{k < K} grad loss(micro-batch (r, k); c_low_k, c_high_k)
+
+    with PPO-clip at the pair chosen on call k. The oracle computes ``g`` in one process from a
+    plain model holding the step's weights, once with the pairs one process chooses on the
+    union of every rank's micro-batch k (``union``), once with each rank's recorded pairs
+    (``own``). It also reports its log-probs against those the loss received.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    per_rank: list = [None] * world
+    dist.all_gather_object(per_rank, [chosen(call["metrics"])[:2] for call in calls])
+    model = build_model(0, hidden=32)
+    searching = BAPOPolicyLossFn(**loss_kwargs(name, sync_across_dp=False))
+    out = []
+    for step, (state, got) in enumerate(zip(states, grads)):
+        model.load_state_dict(state)
+        starts = range(0, BATCH, MICRO_BATCH)  # the engine's split: consecutive rows
+        batches = [micro_batches(rank_fields(r, step), starts) for r in range(world)]
+        log_probs = [[response_log_probs(model, b) for b in mbs] for mbs in batches]
+        union_pairs, lp_diff = [], 0.0
+        for k in range(len(starts)):
+            call = calls[step * len(starts) + k]["inputs"]  # this rank's own call k
+            mask = call["mask"].bool()
+            assert torch.equal(call["old_logprob"][mask], batches[rank][k]["old"][mask])
+            lp_diff = max(lp_diff, float((call["logprob"] - log_probs[rank][k])[mask].abs().max()))
+            union = {f: torch.cat([b[k][f] for b in batches]) for f in ("old", "advantages")}
+            union["response_mask"] = torch.cat([b[k]["response_mask"] for b in batches])
+            union_lp = torch.cat([lp[k] for lp in log_probs]).detach()
+            metrics = searching(
+                logprob=union_lp,
+                old_logprob=union["old"],
+                action_mask=union["response_mask"],
+                advantages=union["advantages"],
+            )[1]
+            union_pairs.append(chosen(metrics)[:2])
+        record: dict = {"union_pairs": union_pairs, "log_prob_max_abs": lp_diff}
+        scale = max(float(g.abs().max()) for g in got.values())
+        record["engine_max_abs"] = scale
+        for kind in ("union", "own"):
+            model.zero_grad()
+            total = sum(
+                ppo_clip(
+                    name,
+                    union_pairs[k] if kind == "union" else per_rank[r][step * len(starts) + k],
+                    response_log_probs(model, batches[r][k]),
+                    batches[r][k],
+                )
+                for r in range(world)
+                for k in range(len(starts))
+            )
+            (total / world).backward()  # type: ignore[union-attr]
+            want = dict(model.named_parameters())
+            assert set(want) == set(got), (sorted(want), sorted(got))
+            diff = max(float((got[n] - p.grad).abs().max()) for n, p in want.items())
+            record[kind] = {"max_abs": diff, "max_rel": diff / scale}
+        out.append(record)
+    return out
 
 
 def engine_check(strategy: str, phases: str):
@@ -121,7 +285,10 @@ def engine_check(strategy: str, phases: str):
         engine = build_engine(model_dir, strategy, sp_size=int(options["sp"]))
         dp_rank = engine.get_data_parallel_rank()
         names = (phases or options["phases"]).split(",")
-        return {p: run_phase(engine, p, options, dp_rank) for p in names}
+        # FSDP2's gradients are DTensors, whole through full_tensor(); FSDP1's are flat shards
+        grads_on = strategy == "fsdp2" and options.get("grads") == "1"
+        assert not (grads_on and options["sp"] != "1"), "the gradient oracle has no SP"
+        return {p: run_phase(engine, p, options, dp_rank, grads_on) for p in names}
 
     return check
 

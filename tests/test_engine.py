@@ -7,7 +7,9 @@ pair, steps, rho and loss at every call; the controls (sync off, the released ``
 must disagree. The ``worker`` check takes a Trinity YAML through ``load_config``,
 ``build_verl_config`` and ``TrinityActorRolloutRefWorker`` to one ``update_actor`` (only Ray is
 bypassed); with ``use_dynamic_bsz`` one rank's longer sequences need more micro-batches, and the
-engine must raise the other's count to match. Two launches: 2 ranks, and 4 for Ulysses.
+engine must raise the other's count to match. The gradient the engine hands its optimizer, after
+FSDP's reduction, must equal one process's gradient at the union's pairs (``grad_oracle`` in
+``tests/engine_checks.py`` states verl's scaling). Two launches: 2 ranks, and 4 for Ulysses.
 """
 
 import shutil
@@ -18,11 +20,14 @@ import pytest
 
 from scripts.harness.launch import REPO
 from tests.engine_checks import PHASES
-from tests.inputs import BAPO_METRICS, PAPER_START
-from tests.oracle import compare_to_union, pairs_by_call
+from tests.inputs import BAPO_METRICS, PAPER_START, loss_kwargs
+from tests.oracle import compare_to_union, pairs_by_call, search, union_tokens
 
 LOSSES = "trinity/trainer/verl/losses.py"
 RANKS = 2
+# fp32 on both sides; the engine's packed forward and FSDP's reduction only reorder float sums
+GRAD_RTOL = 1e-5  # of the largest gradient entry
+LOG_PROB_ATOL = 1e-5  # the oracle's log-probs against those the loss received
 # The model settings a CPU needs (eager attention, fp32, no torch.compile, no tokenizer in the
 # tiny model's folder) go through trainer_config, Trinity's way of overriding verl's config.
 CONFIG = """\
@@ -85,7 +90,7 @@ def released_losses(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def engine(launches, tmp_path_factory):
     """Per rank, what a check recorded in the 2-rank launch (one launch runs every check)."""
-    options = dict(sp=1, phases=",".join(PHASES))
+    options = dict(sp=1, phases=",".join(PHASES), grads=1)
     options["released_losses"] = released_losses(tmp_path_factory.mktemp("released"))
     for sync in ("true", "false"):
         root = tmp_path_factory.mktemp(f"sync_{sync}")
@@ -137,6 +142,69 @@ def test_ulysses_sub_groups_reach_bapo_and_agree(launches):
     records = launches.check("ulysses", "fsdp2", *args, timeout=300, sp=2, phases="sync")
     got = [rank["sync"]["calls"] for rank in records]
     assert_groups_agree_with_their_union(got, PHASES["sync"][1], {(0, 2), (1, 3)})
+
+
+def grad_problems(records, phase, pairs="union") -> list:
+    """Where the engine's gradient leaves the oracle's at ``pairs`` (``union`` or ``own``).
+
+    Also where the union's pairs that the oracle computed on the concatenated micro-batches
+    differ from the literal search (tests/oracle.py) on the tokens the loss recorded, and where
+    the oracle's log-probs differ from those the loss received (the two would then not compare).
+    """
+    problems, kwargs = [], loss_kwargs(PHASES[phase][1])
+    calls = [rank[phase]["calls"] for rank in records]
+    for rank, record in enumerate(records):
+        steps = record[phase]["grads"]
+        per_step = len(calls[rank]) // len(steps)
+        for step, got in enumerate(steps):
+            where = f"{phase} rank {rank} step {step}"
+            for k, pair in enumerate(got["union_pairs"]):
+                i = step * per_step + k
+                literal = search(union_tokens([c[i]["data"] for c in calls]), kwargs)
+                if tuple(pair) != literal[:2]:
+                    problems.append(f"{where} call {k}: union pair {pair} != literal {literal}")
+            if got["log_prob_max_abs"] > LOG_PROB_ATOL:
+                problems.append(f"{where}: log-probs off by {got['log_prob_max_abs']}")
+            if not got["engine_max_abs"] > 0:
+                problems.append(f"{where}: the engine's gradient is zero")
+            if not got[pairs]["max_rel"] <= GRAD_RTOL:
+                problems.append(f"{where}: gradient off the {pairs} oracle by {got[pairs]}")
+    return problems
+
+
+@pytest.mark.parametrize("phase", ["sync", "authors"])
+def test_engine_grad_equals_one_process_grad_at_the_union_pairs(engine, phase):
+    """FSDP2's reduced gradient is one process's at every call's union pair (both orders)."""
+    records = engine("fsdp2")
+    got = [rank[phase]["calls"] for rank in records]
+    pairs = pairs_by_call(got)
+    assert any(p != PAPER_START for ps in pairs for p in ps), "the search never moved"
+    tokens = [[sum(map(sum, c["data"]["mask"])) for c in calls] for calls in zip(*got)]
+    assert any(len(set(t)) > 1 for t in tokens), f"the ranks' micro-batches are even: {tokens}"
+    problems = grad_problems(records, phase)
+    for rank, record in enumerate(records):  # the ranks' recorded pairs are the union's
+        union = [tuple(p) for step in record[phase]["grads"] for p in step["union_pairs"]]
+        if [ps[rank] for ps in pairs] != union:
+            problems.append(f"rank {rank} chose {[ps[rank] for ps in pairs]}, the union {union}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("phase", ["nosync", "muted"])
+def test_control_grad_off_the_union_oracle_where_rank_pairs_differ(engine, phase):
+    """Sync off, or BAPO's all-reduce a no-op: each rank's own pair, so not the union gradient.
+
+    The ranks' own pairs differ from the union's at some call, the engine's gradient is the
+    oracle's at those own pairs, and off the union oracle beyond the tolerance.
+    """
+    records = engine("fsdp2")
+    pairs = pairs_by_call([rank[phase]["calls"] for rank in records])
+    union = [tuple(p) for step in records[0][phase]["grads"] for p in step["union_pairs"]]
+    assert any(set(ps) != {u} for ps, u in zip(pairs, union)), (pairs, union)
+    assert not all_agree([rank[phase]["calls"] for rank in records]), pairs
+    problems = grad_problems(records, phase, pairs="own")
+    assert not problems, "\n".join(problems)
+    off = grad_problems(records, phase)
+    assert any("gradient off the union oracle" in p for p in off), off
 
 
 def test_control_sync_off_disagrees(engine):
