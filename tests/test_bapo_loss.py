@@ -17,8 +17,17 @@ import torch
 
 from scripts.harness.launch import REPO
 from tests import inputs, oracle
-from tests.inputs import AGG_MODES, ORDERS, PAPER_START, batch, call, chosen, loss_kwargs
-from tests.inputs import mask_values, point
+from tests.inputs import (
+    AGG_MODES,
+    ORDERS,
+    PAPER_START,
+    batch,
+    call,
+    chosen,
+    loss_kwargs,
+    mask_values,
+    point,
+)
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 from trinity.algorithm.policy_loss_fn.ppo_policy_loss import PPOPolicyLossFn
 

@@ -15,8 +15,7 @@ import torch
 
 from tests import oracle
 from tests.inputs import ORDERS, PAPER_STEPS, RANGE_ARGS, batch, call, point
-from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
-from trinity.algorithm.policy_loss_fn.bapo_policy_loss import candidates
+from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn, candidates
 
 LOWER_STEPS = (0.01, 0.02, 0.025, 0.03, 0.04, 0.05, 0.07, 0.1, 0.15, 0.2)
 UPPER_STEPS = (0.03, 0.05, 0.07, 0.1, 0.2, 0.25, 0.3, 0.5)
