@@ -30,8 +30,7 @@ def number(name: str, value, low: float, high: float) -> float:
 
 def candidates(name: str, start, maximum, step, low: float, high: float, cap: bool) -> List[float]:
     """The bounds ``start + k * step`` <= ``maximum`` of range ``name``, in decimal arithmetic."""
-    # Steps add up as the config writes them, so 0.6 + 15 * 0.02 is 0.9, not 0.8999...
-    # ``cap`` appends an off-grid maximum, as the authors' ``min(c + step, max)`` reaches it.
+    # 0.6 + 15 * 0.02 is 0.9 here, not 0.8999...; ``cap``: the authors' min(c + step, max) end
     start = number(f"{name}_start", start, low, high)
     maximum = number(f"{name}_max", maximum, start, high)
     if start == maximum:
@@ -149,8 +148,9 @@ class BAPOPolicyLossFn(PolicyLossFn):
         upper = torch.tensor(self.upper, dtype=ratio.dtype).tolist()
         lower = torch.tensor(self.lower, dtype=ratio.dtype).tolist()
         positive, negative = a.clamp(min=0), -a.clamp(max=0)
-        sums = [a.new_zeros(()), *(positive @ r.clamp(max=c) for c in upper)]
-        sums += [negative @ r.clamp(min=c) for c in lower]
+        clamped = torch.empty_like(r)  # one buffer for every candidate: no allocation per bound
+        sums = [a.new_zeros(()), *(positive @ torch.clamp(r, max=c, out=clamped) for c in upper)]
+        sums += [negative @ torch.clamp(r, min=c, out=clamped) for c in lower]
         return ratio, log_ratio, advantages, unclipped, torch.stack(sums)
 
     def _search(self, positive: List[float], negative: List[float]) -> Tuple[int, int, float]:
