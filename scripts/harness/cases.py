@@ -41,8 +41,7 @@ def product_search(loss_fn: BAPOPolicyLossFn, batch: Dict, group=None) -> Tuple[
     sums = loss_fn._prepare(**batch)[4]
     if group is not None:
         dist.all_reduce(sums, group=group)
-    values, n_upper = sums.tolist(), len(loss_fn.upper)
-    i, j, rho = loss_fn._search(values[1 : 1 + n_upper], values[1 + n_upper :])
+    i, j, rho = loss_fn._search(sums.tolist())
     return loss_fn.lower[i], loss_fn.upper[j], i + j, rho
 
 

@@ -120,7 +120,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         values = sums.tolist()
         if values[0] > 0:
             raise RuntimeError("BAPO: the policy loss failed on another rank of the dp_group")
-        i, j, rho = self._search(values[1 : 1 + len(self.upper)], values[1 + len(self.upper) :])
+        i, j, rho = self._search(values)
         pg_loss, metrics = self._clipped_loss(ratio, advantages, unclipped, action_mask, i, j)
         return pg_loss, {
             "bapo_clip_low": self.lower[i],
@@ -144,8 +144,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         ratio = torch.exp(log_ratio)
         unclipped = -advantages * ratio
         r, a = ratio.detach().reshape(-1).double(), advantages.detach().reshape(-1).double()
-        # the bounds as torch.clamp compares them with the ratio (bfloat16 holds 1.2 as 1.203125)
-        upper = torch.tensor(self.upper, dtype=ratio.dtype).tolist()
+        upper = torch.tensor(self.upper, dtype=ratio.dtype).tolist()  # as torch.clamp rounds them
         lower = torch.tensor(self.lower, dtype=ratio.dtype).tolist()
         positive, negative = a.clamp(min=0), -a.clamp(max=0)
         clamped = torch.empty_like(r)  # one buffer for every candidate: no allocation per bound
@@ -153,16 +152,17 @@ class BAPOPolicyLossFn(PolicyLossFn):
         sums += [negative @ torch.clamp(r, min=c, out=clamped) for c in lower]
         return ratio, log_ratio, advantages, unclipped, torch.stack(sums)
 
-    def _search(self, positive: List[float], negative: List[float]) -> Tuple[int, int, float]:
-        """Indices of (c_low, c_high), and rho there: the path's first pair with rho >= rho0."""
+    def _search(self, sums: List[float]) -> Tuple[int, int, float]:
+        """Indices of (c_low, c_high) and rho there: the path's first pair with rho not < rho0."""
         # Algorithm 1 raises c_high to b+, then c_low to b-; the authors' code c_low, then c_high.
-        # A NaN rho (a NaN on some rank) stops the walk at once: every rank keeps the start pair.
+        # A NaN rho (a NaN on some rank) is not < rho0: every rank keeps the start pair.
+        n_lower, n_upper = len(self.lower), len(self.upper)
+        positive, negative = sums[1 : 1 + n_upper], sums[1 + n_upper :]
 
         def rho(i: int, j: int) -> float:
             total = positive[j] + negative[i]
             return 1.0 if total == 0 else positive[j] / total
 
-        n_lower, n_upper = len(self.lower), len(self.upper)
         if self.upper_first:
             path = [(0, j) for j in range(n_upper)] + [(i, n_upper - 1) for i in range(1, n_lower)]
         else:
