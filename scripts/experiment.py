@@ -16,7 +16,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from scripts.harness import report
+from scripts.harness import report, reproduce
 from scripts.harness.launch import tail, torchrun
 from scripts.harness.variants import all_variants, variant
 
@@ -82,6 +82,10 @@ def demo(args, started: float) -> int:
     keys = ["first_reward", "final_reward", "final_entropy", "moved_share", "mean_rho"]
     keys += [*report.OUTCOMES, "outcome_sum"]
     result = {**checks, **{n: {k: s[k] for k in keys if k in s} for n, s in zip(DEMO, summaries)}}
+    files = {name: args.out / name / "metrics.jsonl" for name in DEMO}
+    verdicts = reproduce.compare(files, {"ranks": args.ranks, "lag": args.lag})
+    print(reproduce.sentence(verdicts), flush=True)
+    result["reproduced"] = verdicts
     result.update(report=str(args.out / "report.png"), wall_time_s=round(time.time() - started, 1))
     print(json.dumps(result), flush=True)
     return 0 if all(checks.values()) else 1

@@ -3,12 +3,13 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from scripts.bench import SIZES, TARGETS, bench_step, cuda_loss, step_inputs, verdict
-from scripts.harness import report, tasks
+from scripts.harness import report, reproduce, tasks
 from scripts.harness.cases import PAPER, authors_loop, bench_batch
 from scripts.harness.launch import REPO
 from scripts.harness.model import build_model, build_qwen2, sample_responses
@@ -200,6 +201,13 @@ def test_demo_trains_both_through_the_engine_with_agreeing_ranks_and_counts_bapo
     shares = [result["bapo_paper"][key] for key in report.OUTCOMES]
     assert shares == pytest.approx(call_ends(bapo, "bapo_paper")["shares"])
     assert sum(shares) == result["bapo_paper"]["outcome_sum"] == pytest.approx(1.0)
+    documented = json.loads(reproduce.DIGESTS.read_text())  # compared with every 2-rank, lag-4 run
+    assert set(result["reproduced"]) == {
+        k for k, e in documented.items() if e["settings"] == {"ranks": 2, "lag": 4}
+    }
+    compared = [v["steps_compared"] for per in result["reproduced"].values() for v in per.values()]
+    assert compared and set(compared) == {DEMO_STEPS}
+    assert reproduce.sentence(result["reproduced"]) in stdout
 
 
 def test_small_study_trains_every_run_and_counts_how_bapo_calls_ended(tmp_path):
@@ -288,3 +296,30 @@ def test_final_window_and_collapse_rule():
     assert not report.collapsed(rows)
     assert report.collapsed([{"reward": r} for r in [0.1] * 5 + [0.8] * 10 + [0.3] * 5])
     assert not report.collapsed([{"reward": r} for r in [0.1] * 5 + [0.8] * 10 + [0.5] * 5])
+
+
+def test_reproduce_names_the_first_step_and_the_first_reward_that_differ(tmp_path, monkeypatch):
+    rows = [{"step": s, "reward": s / 7, "grad_norm": 1.0 + s, "wall_s": 0.5} for s in range(5)]
+
+    def write(name: str, changed: dict) -> Path:
+        lines = [json.dumps({**row, **changed.get(row["step"], {})}) for row in rows]
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+        return tmp_path / name
+
+    monkeypatch.setattr(reproduce, "DIGESTS", tmp_path / "digests.json")
+    reproduce.add("reference", {"ranks": 2, "lag": 4}, {"a": write("ref.jsonl", {})})
+    cases = {  # changed fields per step -> (parted_at, rewards_parted_at)
+        "same.jsonl": ({1: {"wall_s": 9.0}}, (None, None)),
+        "bits.jsonl": ({2: {"grad_norm": 3.0000000000000004}}, (2, None)),
+        "answers.jsonl": ({1: {"grad_norm": 0.0}, 3: {"reward": 0.5}}, (1, 3)),
+    }
+    for name, (changed, (parted, rewards)) in cases.items():
+        verdict = reproduce.compare({"a": write(name, changed)}, {"ranks": 2, "lag": 4})
+        run = verdict["reference"]["a"]
+        assert (run["parted_at"], run["rewards_parted_at"], run["steps_compared"]) == (
+            parted,
+            rewards,
+            5,
+        )
+        assert ("reproduced" in reproduce.sentence(verdict)) == (parted is None)
+    assert reproduce.compare({"a": tmp_path / "same.jsonl"}, {"ranks": 4, "lag": 4}) == {}

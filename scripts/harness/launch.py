@@ -1,4 +1,4 @@
-"""The one torchrun launcher, with pinned numerics (the same figures on any x86-64 machine).
+"""The one torchrun launcher, with pinned numerics (the same figures from one launch to the next).
 
 On timeout the launch's whole process group is killed, so no worker outlives its caller.
 """
@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[2]
-# The same numbers on any x86-64 machine: ATen's portable kernels rather than those it picks by
-# CPU capability (AVX2, AVX512), MKL's reproducible code path, oneDNN held to SSE4.1.
+# ATen's portable kernels rather than those it picks by CPU capability (AVX2, AVX512), MKL's
+# reproducible code path, oneDNN held to SSE4.1: the same bits under an emulated Intel CPU as on
+# an AMD one, but not yet on every CPU (docs/results.md, Reproducibility).
 PINNED_NUMERICS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
 PINNED_NUMERICS["ONEDNN_MAX_CPU_ISA"] = "SSE41"
 
