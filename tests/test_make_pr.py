@@ -261,10 +261,8 @@ def test_git_am_takes_the_three_in_order_on_a_repository_of_the_release(
 
 def with_the_rest_of_the_series(tree: Path, name: str, rel: str, tmp_path: Path) -> bytes:
     """The tree's file with the series' parts that other pull requests hold applied too."""
-    chain, step = set(), name
-    while step:
-        chain |= set(PULL_REQUESTS[step][0])
-        step = PULL_REQUESTS[step][2]
+    parts, _, base = PULL_REQUESTS[name]
+    chain = {*parts, *(PULL_REQUESTS[base][0] if base else [])}
     rest = [PATCHES / p for p in (PATCHES / "series").read_text().split() if p not in chain]
     (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / rel).write_bytes((tree / rel).read_bytes())
