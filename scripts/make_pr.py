@@ -6,7 +6,9 @@ examples, its tests), on top of the interface; ``dist/trinity-rft-loss-agg-mode.
 config fix and its test, alone. Each is one commit, as ``git format-patch`` writes it, on its
 base tree (the unpacked sdist, from PyPI, cached in build/sdist/, with its base's commit): its
 patches applied and its files added, with its description (``patches/pr/<name>.md``) as the
-message. ``git am -3`` and ``git apply`` both take it.
+message. The diffs of files the sdist lacks (README_zh.md, the Sphinx pages) are the parts'
+own, written against the repository: ``git am -3`` takes each patch there, and ``git apply``
+takes it on the sdist with those files excluded.
 Run: make pr (or: python -m scripts.make_pr [OUTPUT_DIR])
 """
 

@@ -4,7 +4,9 @@
 Two gloo ranks started by the test, with uneven micro-batches: every rank takes the pair that one
 process chooses on the union of both ranks' tokens, called directly and through
 TrinityPolicyLoss (which must forward the engine's dp_group); with `sync_across_dp: false` the
-ranks choose apart; and when one rank's inputs fail, both ranks raise in that same call.
+ranks choose apart; and when one rank's inputs fail, both ranks raise in that same call. While
+the config is validated, the trainers that cannot pass BAPO a group: Tinker refused however the
+config names it, the legacy actors warned of; and the loss checked there is the trainer's.
 """
 
 import json
@@ -212,7 +214,7 @@ class BAPOTrainerCheckTest(unittest.TestCase):
                 checked, trained = [call.kwargs for call in init.call_args_list]  # one each
                 self.assertEqual(checked, trained)
 
-    def test_a_bad_mode_fails_at_validation_wherever_it_is_written(self):
+    def test_a_bad_algorithm_mode_fails_beside_a_good_one_among_the_loss_args(self):
         """Even beside a good mode among the loss arguments, which the algorithm's overrides."""
         config = offline_config("bapo")
         config.algorithm.loss_agg_mode = "bogus"
