@@ -6,11 +6,14 @@ examples, its tests), on top of the interface; ``dist/trinity-rft-loss-agg-mode.
 config fix and its test, alone. Each is one commit, as ``git format-patch`` writes it, on its
 base tree (the unpacked sdist, from PyPI, cached in build/sdist/, with its base's commit): its
 patches applied and its files added, with its description (``patches/pr/<name>.md``) as the
-message. ``git am -3`` and ``git apply`` both take it.
+message. The diffs of files the sdist lacks (README_zh.md, the Sphinx pages) are the parts'
+own, written against the repository: ``git am -3`` takes each patch there, and ``git apply``
+takes it on the sdist with those files excluded.
 Run: make pr (or: python -m scripts.make_pr [OUTPUT_DIR])
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,7 +21,7 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 PATCHES = REPO / "patches"
@@ -93,6 +96,29 @@ def git(root: Path, *args: str, stdin: Optional[str] = None) -> str:
     ).stdout
 
 
+def file_diffs(text: str) -> Dict[str, str]:
+    """The ``diff --git`` sections of a patch, by path."""
+    sections = re.split(r"(?m)^(?=diff --git )", text)[1:]
+    return {re.match(r"diff --git a/(\S+)", s).group(1): s for s in sections}  # type: ignore
+
+
+def repository_only(root: Path, pr: PullRequest) -> Dict[str, str]:
+    """The pull request's diffs of files the sdist leaves out (README_zh.md, docs/), by path.
+
+    They are written against the repository's files (their blob ids included), so that
+    ``git am -3`` can fall back on a three-way merge there; the patch carries them as they are.
+    """
+    diffs = [file_diffs((PATCHES / p).read_text()) for p in pr.patches]
+    return {rel: diff for d in diffs for rel, diff in d.items() if not (root / rel).exists()}
+
+
+def stand_in(root: Path, rel: str, diff: str) -> None:
+    """Write the part of a left-out file that ``diff`` shows, so that git counts its lines."""
+    shown = re.findall(r"^[ -](.*\n)", diff.split("\n@@", 1)[1], re.M)
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    (root / rel).write_text("".join(shown))
+
+
 def add(root: Path, pr: PullRequest) -> None:
     """Apply the pull request's patches to the tree at ``root`` and copy its files in."""
     git(root, "apply", *(str(PATCHES / p) for p in pr.patches))
@@ -102,9 +128,15 @@ def add(root: Path, pr: PullRequest) -> None:
 
 
 def format_patch(pr: PullRequest) -> str:
-    """The pull request as ``git format-patch`` writes it: one commit on its base tree."""
+    """The pull request as ``git format-patch`` writes it: one commit on its base tree.
+
+    A file the sdist leaves out gets a stand-in, whose diff the pull request's own replaces.
+    """
     with tempfile.TemporaryDirectory(prefix="trinity-pr-") as tmp:
         root = unpack(Path(tmp))
+        left_out = repository_only(root, pr)
+        for rel, diff in left_out.items():
+            stand_in(root, rel, diff)
         git(root, "init", "-q")
         for step in [None, pr.base, pr] if pr.base else [None, pr]:
             message = "Trinity-RFT 0.6.0" if step is None else step.description()
@@ -112,7 +144,10 @@ def format_patch(pr: PullRequest) -> str:
                 add(root, step)
             git(root, "add", "-A")
             git(root, *AUTHOR, "commit", "-q", "--cleanup=verbatim", "-F", "-", stdin=message)
-        return git(root, "format-patch", "--stdout", "--no-renames", "--no-signature", "-1")
+        options = ["--no-renames", "--no-signature", "--full-index"]
+        patch = git(root, "format-patch", "--stdout", *options, "-1")
+    head = re.split(r"(?m)^(?=diff --git )", patch)[0]
+    return head + "".join(left_out.get(rel, diff) for rel, diff in file_diffs(patch).items())
 
 
 def main(output: Path = OUTPUT) -> int:

@@ -91,7 +91,11 @@ def dp_group(tmp_path_factory):
     if owns_world:
         store = tmp_path_factory.mktemp("gloo") / "store"
         dist.init_process_group(
-            "gloo", init_method=f"file://{store}", rank=0, world_size=1, timeout=timedelta(30)
+            "gloo",
+            init_method=f"file://{store}",
+            rank=0,
+            world_size=1,
+            timeout=timedelta(seconds=30),
         )
     try:
         yield dist.new_group(ranks=[0], backend="gloo", timeout=timedelta(seconds=30))

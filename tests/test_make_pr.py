@@ -20,12 +20,13 @@ REPO = Path(__file__).resolve().parents[1]
 SDIST = REPO / "build" / "sdist" / "trinity_rft-0.6.0.tar.gz"
 SITE = Path(str(importlib.metadata.distribution("trinity-rft").locate_file("")))
 PATCHES = REPO / "patches"
-KEYS_TEST = "tests/algorithm/policy_loss_runtime_keys_test.py"
+KEYS_TEST = "tests/algorithm/test_policy_loss_runtime_keys.py"
 BAPO_TESTS = [
     "tests/algorithm/test_bapo_policy_loss.py",
     "tests/algorithm/test_bapo_data_parallel.py",
 ]
-FIX_TEST = "tests/common/loss_agg_mode_config_test.py"
+FIX_TEST = "tests/common/test_loss_agg_mode_config.py"
+DOCS_ROWS = "bapo-0003-docs-list-bapo.patch"
 # name -> (its parts in order, the files it adds, the pull request it applies on top of)
 PULL_REQUESTS = {
     "policy-loss-runtime-keys": (
@@ -37,7 +38,11 @@ PULL_REQUESTS = {
         None,
     ),
     "bapo": (
-        ["bapo-0001-register-bapo.patch", "bapo-0002-readme-lists-bapo.patch"],
+        [
+            "bapo-0001-register-bapo.patch",
+            "bapo-0002-validator-checks-bapo-loss.patch",
+            DOCS_ROWS,
+        ],
         {
             "trinity/algorithm/policy_loss_fn/bapo_policy_loss.py",
             "examples/bapo_gsm8k/gsm8k.yaml",
@@ -49,6 +54,15 @@ PULL_REQUESTS = {
     ),
     "loss-agg-mode": (["loss-agg-mode-0001-config-copies-loss-agg-mode.patch"], {FIX_TEST}, None),
 }
+
+
+# BAPO's rows in files the sdist does not ship: their hunks are written against the repository
+REPOSITORY_ONLY = [
+    "README_zh.md",
+    "docs/sphinx_doc/source/main.md",
+    "docs/sphinx_doc/source_zh/main.md",
+]
+SDIST_ONLY = [f"--exclude={rel}" for rel in REPOSITORY_ONLY]
 
 
 def run(*cmd: str | Path, cwd: Path, **env: str) -> subprocess.CompletedProcess:
@@ -90,7 +104,7 @@ def patched_tree(name: str, written: Path, tmp_path_factory) -> Path:
     tree = patched_tree(base, written, tmp_path_factory) if base else fresh_tree(tmp_path_factory)
     patch = written / f"trinity-rft-{name}.patch"
     for args in (["--check"], []):
-        done = run("git", "apply", *args, patch, cwd=tree)
+        done = run("git", "apply", *args, *SDIST_ONLY, patch, cwd=tree)
         assert done.returncode == 0, (name, done.stderr)
     return tree
 
@@ -137,12 +151,37 @@ def test_make_pr_writes_exactly_the_three_pull_requests(written) -> None:
 
 
 def test_the_pull_requests_hold_the_whole_installed_series() -> None:
-    """Every installed patch is in one pull request; the README row is the only extra part."""
+    """Every installed patch is in one pull request; the docs rows are the only extra part."""
     series = (PATCHES / "series").read_text().split()
     parts = [name for patches, _, _ in PULL_REQUESTS.values() for name in patches]
-    assert sorted(set(parts) - set(series)) == ["bapo-0002-readme-lists-bapo.patch"]
+    assert sorted(set(parts) - set(series)) == [DOCS_ROWS]
     assert set(series) <= set(parts) and len(parts) == len(set(parts))
-    assert touched_by(["bapo-0002-readme-lists-bapo.patch"]) == {"README.md"}
+    assert touched_by([DOCS_ROWS]) == {"README.md", *REPOSITORY_ONLY}
+
+
+# The row each table of supported algorithms gets, in its file's language: paper, example, code
+ROW = re.compile(
+    r"^\| BAPO \[\[(Paper|论文)\]\(https://arxiv\.org/pdf/2510\.18927\)\] \| "
+    r"\[\[GSM8K (Example|示例)\]\(\S+/examples/bapo_gsm8k\)\] \| "
+    r"\[\[(Code|代码)\]\(\S+/trinity/algorithm/policy_loss_fn/bapo_policy_loss\.py\)\] \| "
+    r"`algorithm_type: bapo` +\|$"
+)
+
+
+def test_bapo_adds_one_row_after_sapos_to_each_table(written) -> None:
+    """One line per file, after SAPO's, in the file's language; blob ids to merge three-way."""
+    text = (written / "trinity-rft-bapo.patch").read_text()
+    diffs = re.split(r"(?m)^(?=diff --git )", text)
+    for rel in ["README.md", *REPOSITORY_ONLY]:
+        (diff,) = [d for d in diffs if d.startswith(f"diff --git a/{rel} ")]
+        assert re.search(r"^index [0-9a-f]{40}\.\.[0-9a-f]{40} 100644$", diff, re.M), rel
+        body = diff.split("\n@@", 1)[1].splitlines()[1:]
+        added = [n for n, line in enumerate(body) if line.startswith("+")]
+        assert len(added) == 1 and not any(line.startswith("-") for line in body), rel
+        row, above = body[added[0]][1:], body[added[0] - 1][1:]
+        assert ROW.match(row) and above.startswith("| SAPO ["), (rel, row, above)
+        chinese = "zh" in rel
+        assert ("论文" in row, "论文" in above) == (chinese, chinese), rel
 
 
 @pytest.mark.parametrize("name", sorted(PULL_REQUESTS))
@@ -153,9 +192,32 @@ def test_subjects_are_numbered_against_their_own_series(name) -> None:
         assert first.startswith(f"Subject: [PATCH {index}/{len(patches)}] "), (part, first)
 
 
+def description(written: Path, name: str) -> str:
+    """A pull request's commit message, as its patch carries it."""
+    return (written / f"trinity-rft-{name}.patch").read_text().split("\n---\n", 1)[0]
+
+
 def test_bapo_description_names_the_interface_it_builds_on(written) -> None:
-    description = (written / "trinity-rft-bapo.patch").read_text().split("\ndiff --git", 1)[0]
-    assert "policy loss: runtime keys" in description
+    assert "policy loss: runtime keys" in description(written, "bapo")
+
+
+# Trinity-RFT's pull-request template (.github/PULL_REQUEST_TEMPLATE.md): its four checklist items
+TEMPLATE_ITEMS = [
+    "Relevant checks and their results are described above",
+    "Generated HTML is updated and previewed when tutorial Markdown changes",
+    "Instructions and links match the example scripts and supported configurations",
+    "Changes are ready for review",
+]
+
+
+@pytest.mark.parametrize("name", sorted(PULL_REQUESTS))
+def test_descriptions_hold_the_template_and_speak_of_the_repository(written, name) -> None:
+    """Each template item ticked, or marked not applicable with a reason; no word of the sdist."""
+    text = description(written, name)
+    for item in TEMPLATE_ITEMS:
+        (line,) = [line for line in text.splitlines() if item in line]
+        assert line.startswith("- [x] ") and (line.endswith(item) or "(" in line), line
+    assert not re.search(r"sdist|source distribution|by hand", text), name
 
 
 # Files the repository holds though the sdist does not ship them (names near ours)
@@ -181,26 +243,43 @@ def test_each_patch_holds_its_parts_and_files(applied, written) -> None:
 def test_git_am_takes_the_three_in_order_on_a_repository_of_the_release(
     written, tmp_path_factory
 ) -> None:
-    """As a maintainer opens them: commits of the interface, BAPO, then the config fix."""
+    """As a maintainer opens them: commits of the interface, BAPO, then the config fix.
+
+    The release has no README_zh.md or docs/, so their rows are left out here.
+    """
     tree = fresh_tree(tmp_path_factory)
     who = ["-c", "user.name=maintainer", "-c", "user.email=maintainer@example.com"]
     for args in (["init", "-q"], ["add", "-A"], [*who, "commit", "-qm", "v0.6.0"]):
         assert run("git", *args, cwd=tree).returncode == 0
     for name in ("policy-loss-runtime-keys", "bapo", "loss-agg-mode"):
         patch = written / f"trinity-rft-{name}.patch"
-        done = run("git", *who, "am", "-3", "--keep-non-patch", patch, cwd=tree)
+        done = run("git", *who, "am", "-3", "--keep-non-patch", *SDIST_ONLY, patch, cwd=tree)
         assert done.returncode == 0, (name, done.stdout, done.stderr)
     log = run("git", "log", "--format=%s", cwd=tree).stdout.splitlines()
     assert [line.split(" ", 1)[0] for line in log] == ["[Fix]", "[Feature]", "[Feature]", "v0.6.0"]
 
 
-def test_every_touched_file_equals_ours(applied) -> None:
+def with_the_rest_of_the_series(tree: Path, name: str, rel: str, tmp_path: Path) -> bytes:
+    """The tree's file with the series' parts that other pull requests hold applied too."""
+    parts, _, base = PULL_REQUESTS[name]
+    chain = {*parts, *(PULL_REQUESTS[base][0] if base else [])}
+    rest = [PATCHES / p for p in (PATCHES / "series").read_text().split() if p not in chain]
+    (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / rel).write_bytes((tree / rel).read_bytes())
+    done = run("git", "apply", f"--include={rel}", *rest, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    return (tmp_path / rel).read_bytes()
+
+
+def test_every_touched_file_equals_ours(applied, tmp_path) -> None:
+    """The installed file, where the rest of the series (another pull request's part) is added."""
     name, tree, touched = applied
     added = PULL_REQUESTS[name][1]
-    for rel in touched:
+    for rel in set(touched) - set(REPOSITORY_ONLY):
         got = (tree / rel).read_bytes()
         if rel.startswith("trinity/"):
-            assert got == (SITE / rel).read_bytes(), f"{rel} differs from the installed file"
+            ours = with_the_rest_of_the_series(tree, name, rel, tmp_path)
+            assert ours == (SITE / rel).read_bytes(), f"{rel} differs from the installed file"
         if rel in added:
             assert got == (REPO / rel).read_bytes(), f"{rel} differs from the repo's file"
 
@@ -215,12 +294,33 @@ def test_own_tests_pass_against_the_patched_tree(applied) -> None:
     assert done.returncode == 0 and f"{count} passed" in done.stdout, done.stdout[-3000:]
 
 
-def test_config_fix_test_fails_on_the_released_tree(written, tmp_path_factory) -> None:
+def test_config_fix_test_fails_on_the_released_tree_as_its_description_counts(
+    written, tmp_path_factory
+) -> None:
+    """The description's "all N tests pass ... on the released tree, M of them fail"."""
+    stated = re.search(
+        r"all (\d+) tests pass.*?released tree, (\d+) of them fail",
+        description(written, "loss-agg-mode"),
+        re.S,
+    )
+    assert stated, "the description counts no tests"
+    total, failing = map(int, stated.groups())
+    assert (REPO / FIX_TEST).read_text().count("\n    def test_") == total
     tree = fresh_tree(tmp_path_factory)
     (tree / FIX_TEST).parent.mkdir(parents=True)
     (tree / FIX_TEST).write_bytes((REPO / FIX_TEST).read_bytes())
     done = pytest_in(tree, [FIX_TEST])
-    assert done.returncode == 1 and "FAILED" in done.stdout, done.stdout[-3000:]
+    summary = f"{failing} failed, {total - failing} passed"
+    assert done.returncode == 1 and summary in done.stdout, done.stdout[-3000:]
+
+
+def test_bapo_tests_pass_with_the_config_fix_too(written, tmp_path_factory) -> None:
+    """The validator's BAPO check builds the trainer's loss under either loss_agg_mode rule."""
+    tree = patched_tree("bapo", written, tmp_path_factory)
+    done = run("git", "apply", written / "trinity-rft-loss-agg-mode.patch", cwd=tree)
+    assert done.returncode == 0, done.stderr
+    done = pytest_in(tree, own_tests("bapo"), (), "-k", "BAPOTrainerCheckTest")
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
 
 
 # What each of the BAPO pull request's claims rests on, undone in the patched tree, and a test
@@ -230,7 +330,18 @@ BREAKAGES = {
     "trinity_policy_loss_passes_no_group": (
         "test_through_trinity_policy_loss_every_rank_takes_the_pair_of_the_union"
     ),
-    "metaclass_ignores_runtime_keys": "BAPORuntimeKeyTest::test_dp_group_is_no_batch_field",
+    "metaclass_ignores_runtime_keys": "BAPOTrainerCheckTest::test_dp_group_is_no_batch_field",
+    "validator_skips_bapo": "test_the_tinker_trainer_is_refused_however_the_config_is_composed",
+    "check_takes_the_algorithms_mode": "test_the_check_builds_the_loss_the_trainer_builds",
+}
+# What the validator's BAPO check does, and what undoes it
+VALIDATOR = "trinity/common/config_validator.py"
+CHECK_EDITS = {
+    "validator_skips_bapo": ('if config.algorithm.policy_loss_fn == "bapo":', "if False:"),
+    "check_takes_the_algorithms_mode": (
+        '(backend="verl", **args)',
+        '(backend="verl", **{**args, "loss_agg_mode": config.algorithm.loss_agg_mode})',
+    ),
 }
 
 
@@ -246,12 +357,16 @@ def test_bapo_tests_fail_when_a_claim_is_undone(breakage, written, tmp_path_fact
         text = losses.read_text()
         assert text.count("dp_group=dp_group") == 1
         losses.write_text(text.replace("dp_group=dp_group", "dp_group=None"))
+    elif breakage in CHECK_EDITS:
+        text, (old, new) = (tree / VALIDATOR).read_text(), CHECK_EDITS[breakage]
+        assert text.count(old) == 1
+        (tree / VALIDATOR).write_text(text.replace(old, new))
     else:  # the released metaclass, which reads no _runtime_keys
         rel = "trinity/algorithm/policy_loss_fn/policy_loss_fn.py"
         (tree / rel).write_bytes((fresh_tree(tmp_path_factory) / rel).read_bytes())
     test = BREAKAGES[breakage]  # run alone, so that no other test's setup is paid for
     done = pytest_in(tree, own_tests("bapo"), path, "-k", test.split("::")[-1])
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.M)
+    failed = re.findall(r"^(?:SUB)?(?:FAILED|ERROR)\b.*?(tests/\S+::\S+)", done.stdout, re.M)
     assert done.returncode == 1 and any(test in name for name in failed), done.stdout[-3000:]
 
 

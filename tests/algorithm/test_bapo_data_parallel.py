@@ -4,24 +4,34 @@
 Two gloo ranks started by the test, with uneven micro-batches: every rank takes the pair that one
 process chooses on the union of both ranks' tokens, called directly and through
 TrinityPolicyLoss (which must forward the engine's dp_group); with `sync_across_dp: false` the
-ranks choose apart; and when one rank's inputs fail, both ranks raise in that same call.
+ranks choose apart; and when one rank's inputs fail, both ranks raise in that same call. While
+the config is validated, the trainers that cannot pass BAPO a group: Tinker refused however the
+config names it, the legacy actors warned of; and the loss checked there is the trainer's.
 """
 
 import json
+import sys
 import tempfile
 import time
 import unittest
 from datetime import timedelta
+from itertools import product
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trinity.algorithm.algorithm import BAPOAlgorithm
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 from trinity.common.config import AlgorithmConfig, Config
+from trinity.common.config_validator import (
+    AlgorithmConfigValidator,
+    BufferConfigValidator,
+    TrainerConfigValidator,
+    validators,
+)
 
 try:
     from tensordict import TensorDict
@@ -45,6 +55,8 @@ CONFIGS = {
     },
 }
 PROMPT_LEN = 2
+BAPO_INIT = BAPOPolicyLossFn.__init__
+BAPO_LOSS = [("bapo", None), ("grpo", "bapo")]  # (algorithm_type, policy_loss_fn)
 
 
 def rank_batch(rank):
@@ -106,7 +118,11 @@ def run_rank(rank, store):
     """One rank: each pair it takes, then what it raises when rank 1's inputs fail."""
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=timedelta(60)
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=60),
     )
     batch, group, record = rank_batch(rank), dist.group.WORLD, {}
     for name, args in CONFIGS.items():
@@ -125,8 +141,37 @@ def run_rank(rank, store):
     dist.destroy_process_group()
 
 
-class BAPORuntimeKeyTest(unittest.TestCase):
-    """BAPO reads the group beside the batch, and the preset says where none is passed."""
+def offline_config(algorithm_type, policy_loss_fn=None, tinker=()):
+    """A config that the validators pass offline, Tinker written as ``tinker`` names it."""
+    config = Config()
+    config.model.model_path, config.model.max_model_len = "tiny-model", 64
+    config.cluster.node_num, config.cluster.gpu_per_node = 1, 2  # no Ray cluster is asked
+    config.algorithm.algorithm_type = algorithm_type
+    config.algorithm.policy_loss_fn = policy_loss_fn
+    config.model.tinker.enable = "model.tinker.enable" in tinker
+    if "trainer.trainer_type" in tinker:
+        config.trainer.trainer_type = "tinker"
+    return config
+
+
+def validate(config):
+    """Run Trinity's validators in order; the buffer's needs a dataset and is left out."""
+    for validator in validators:
+        if not isinstance(validator, BufferConfigValidator):
+            validator.validate(config)
+
+
+class BAPOTrainerCheckTest(unittest.TestCase):
+    """What the trainer must pass BAPO, checked while the config is validated."""
+
+    def setUp(self):
+        """Tinker's service, stubbed offline: it serves the test's model."""
+        client = mock.MagicMock()
+        client.get_server_capabilities.return_value.supported_models = [
+            SimpleNamespace(model_name="tiny-model")
+        ]
+        sys.modules["tinker"] = SimpleNamespace(ServiceClient=mock.Mock(return_value=client))
+        self.addCleanup(sys.modules.pop, "tinker")
 
     def test_dp_group_is_no_batch_field(self):
         """The keys BAPO reads from the batch are PPO's; the group is not among them."""
@@ -134,7 +179,50 @@ class BAPORuntimeKeyTest(unittest.TestCase):
             BAPOPolicyLossFn().select_keys, ["old_log_probs", "response_mask", "advantages"]
         )
 
-    def test_the_preset_warns_where_the_trainer_passes_no_group(self):
+    def test_the_tinker_trainer_is_refused_however_the_config_is_composed(self):
+        """Tinker calls the policy loss once per experience: bounds per sequence, not per update."""
+        for loss in BAPO_LOSS:
+            for tinker in (
+                ["model.tinker.enable"],
+                ["trainer.trainer_type"],
+                ["model.tinker.enable", "trainer.trainer_type"],
+            ):
+                with self.assertRaisesRegex(ValueError, "Tinker.*once per experience"):
+                    validate(offline_config(*loss, tinker))
+            config = offline_config(*loss)
+            validate(config)  # the control: the verl trainer passes
+            self.assertEqual(config.trainer.trainer_type, "verl")
+
+    @unittest.skipUnless(ENGINE_LOSS, "needs verl >= 0.8, whose engine loss builds the loss")
+    def test_the_check_builds_the_loss_the_trainer_builds(self):
+        """For each place the mode is written, with and without other loss arguments."""
+        mode, other = "seq-mean-token-sum", {"positive_contribution_target": 0.5}
+        written = [(None, None), (mode, None), (None, mode), (mode, "seq-mean-token-mean")]
+        for loss, (algorithm_mode, args_mode), args in product(BAPO_LOSS, written, (None, other)):
+            with self.subTest(loss=loss, algorithm=algorithm_mode, args=args_mode, other=args):
+                config = offline_config(*loss)
+                config.algorithm.loss_agg_mode = algorithm_mode
+                if args is not None or args_mode is not None:
+                    config.algorithm.policy_loss_fn_args = dict(args or {})
+                if args_mode is not None:
+                    config.algorithm.policy_loss_fn_args["loss_agg_mode"] = args_mode
+                with mock.patch.object(
+                    BAPOPolicyLossFn, "__init__", autospec=True, side_effect=BAPO_INIT
+                ) as init:
+                    validate(config)
+                    TrinityPolicyLoss(config.algorithm)
+                checked, trained = [call.kwargs for call in init.call_args_list]  # one each
+                self.assertEqual(checked, trained)
+
+    def test_a_bad_algorithm_mode_fails_beside_a_good_one_among_the_loss_args(self):
+        """Even beside a good mode among the loss arguments, which the algorithm's overrides."""
+        config = offline_config("bapo")
+        config.algorithm.loss_agg_mode = "bogus"
+        config.algorithm.policy_loss_fn_args = {"loss_agg_mode": "token-mean"}
+        with self.assertRaisesRegex(ValueError, "`loss_agg_mode`"):
+            validate(config)
+
+    def test_the_legacy_actors_are_warned_of(self):
         """The legacy (verl < 0.8) FSDP and Megatron actors pass no dp_group."""
         named = {  # (trainer_strategy, verl < 0.8): the actor a warning names
             ("fsdp2", False): None,
@@ -143,33 +231,18 @@ class BAPORuntimeKeyTest(unittest.TestCase):
         }
         for (strategy, legacy), actor in named.items():
             for sync in (True, False):
-                config = Config()
+                config = offline_config("bapo")
                 config.trainer.trainer_strategy = strategy
                 config.algorithm.policy_loss_fn_args = {"sync_across_dp": sync}
-                with mock.patch("trinity.algorithm.algorithm.logger") as logger:
+                AlgorithmConfigValidator().validate(config)
+                validator = TrainerConfigValidator()
+                with mock.patch.object(validator, "logger") as logger:
                     with mock.patch("trinity.trainer.trainer.is_verl_legacy", return_value=legacy):
-                        BAPOAlgorithm.check_config(config)
+                        validator._check_bapo(config)
                 warnings = [call.args[0] for call in logger.warning.mock_calls]
                 self.assertEqual(len(warnings), 1 if actor and sync else 0, (actor, sync))
                 for warning in warnings:
                     self.assertIn(f"BAPO: {actor}", warning)
-
-    def test_the_preset_refuses_the_tinker_trainer(self):
-        """Tinker calls the policy loss once per experience: bounds per sequence, not per update."""
-        config = Config()
-        config.trainer.trainer_type = "tinker"
-        with self.assertRaisesRegex(ValueError, "once per experience"):
-            BAPOAlgorithm.check_config(config)
-
-    def test_the_preset_builds_the_loss_with_the_algorithm_mode(self):
-        """A mode the loss arguments leave out is the algorithm's: a bad one fails at validation."""
-        config = Config()
-        config.algorithm.loss_agg_mode = "token-sum"
-        config.algorithm.policy_loss_fn_args = {"positive_contribution_target": 0.5}
-        with self.assertRaisesRegex(ValueError, "loss_agg_mode"):
-            BAPOAlgorithm.check_config(config)
-        config.algorithm.loss_agg_mode = "seq-mean-token-mean"
-        BAPOAlgorithm.check_config(config)
 
 
 @unittest.skipUnless(ENGINE_LOSS, "needs verl >= 0.8, whose engine passes dp_group")

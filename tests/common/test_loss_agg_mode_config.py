@@ -171,7 +171,7 @@ class LossAggModeConfigTest(unittest.TestCase):
         for algorithm_mode, logged in ((None, 1), (ALGORITHM_MODE, 0)):
             with mock.patch("trinity.common.config_validator.get_logger") as get_logger:
                 validated("grpo", algorithm_mode, {"loss_agg_mode": LOSS_ARGS_MODE})
-            lines = [call.args[0] for call in get_logger.return_value.info.mock_calls]
+            lines = [call.args[0] for call in get_logger.return_value.warning.mock_calls]
             lines = [line for line in lines if "policy_loss_fn_args" in line]
             self.assertEqual(len(lines), logged, lines)
             self.assertTrue(all(LOSS_ARGS_MODE in line for line in lines))
