@@ -103,17 +103,16 @@ def check_nonfinite(ctx) -> dict:
 def check_overflow(ctx) -> dict:
     """Log-ratios past float16's exp and the clamp, per dtype and kind, both paper orders."""
 
+    def one(group, data) -> dict:
+        runs = {
+            name: call_bapo(ctx, BAPOPolicyLossFn(**loss_kwargs(name)), data, group)
+            for name in ("paper_upper", "paper_lower")
+        }
+        return {"data": lists(data), "runs": runs}
+
     def run(group, size):
-        out: dict = {}
-        for dtype in DTYPES:
-            for kind in OVERFLOWS:
-                data = overflow_case(kind, ctx.rank, dtype)
-                runs = {
-                    name: call_bapo(ctx, BAPOPolicyLossFn(**loss_kwargs(name)), data, group)
-                    for name in ("paper_upper", "paper_lower")
-                }
-                out[f"{dtype} {kind}"] = {"data": lists(data), "runs": runs}
-        return out
+        cases = {(d, k): overflow_case(k, ctx.rank, d) for d in DTYPES for k in OVERFLOWS}
+        return {f"{d} {k}": one(group, data) for (d, k), data in cases.items()}
 
     return by_size(ctx, run)
 
