@@ -260,32 +260,40 @@ def test_file_modes_are_kept(site: Path, command: str) -> None:
     assert {rel: stat.S_IMODE((site / rel).stat().st_mode) for rel in modes} == modes
 
 
+def directories(site: Path) -> list[Path]:
+    """The site and every directory under it."""
+    return [site, *(path for path in site.rglob("*") if path.is_dir())]
+
+
 @pytest.fixture
 def read_only(site: Path):
-    """The site with every directory read-only, and the command prefix that makes root obey it."""
-    directories = [site, *(p for p in site.rglob("*") if p.is_dir())]
+    """Make every directory of the site read-only, until the test ends, when called.
+
+    Returns the command prefix under which root, too, obeys the permissions.
+    """
     wrap: tuple = ()
     if os.geteuid() == 0:  # root writes anywhere unless it drops these capabilities
         if shutil.which("setpriv") is None:
             pytest.skip("running as root without setpriv, which can drop CAP_DAC_OVERRIDE")
         wrap = ("setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--")
-    for directory in directories:
-        directory.chmod(0o555)
-    yield wrap
-    for directory in directories:
+
+    def make_read_only() -> tuple:
+        for directory in directories(site):
+            directory.chmod(0o555)
+        return wrap
+
+    yield make_read_only
+    for directory in directories(site):
         directory.chmod(0o755)
 
 
 @pytest.mark.parametrize("command", ["apply", "revert"])
 def test_a_read_only_site_gives_one_line_naming_the_directory(site: Path, read_only, command):
     if command == "revert":
-        for directory in [site, *(p for p in site.rglob("*") if p.is_dir())]:
-            directory.chmod(0o755)
         tool("apply", site)
-        for directory in [site, *(p for p in site.rglob("*") if p.is_dir())]:
-            directory.chmod(0o555)
+    wrap = read_only()
     before = snapshot(site)
-    stderr = tool(command, site, status=1, wrap=read_only).stderr
+    stderr = tool(command, site, status=1, wrap=wrap).stderr
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and f"cannot {command} in {site}" in lines[0], stderr
     assert "Permission denied" in lines[0]
