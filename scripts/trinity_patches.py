@@ -3,8 +3,10 @@
 
 patches/series is applied by ``git apply`` to copies that move into place together. A file is
 released if its sha256 is RECORD's, patched if reverse-applying the series gives those bytes;
-anything else is refused, by name. Our ``trinity/*.py`` are copied in (hashes in
-trinity/.bapo-installed.json), never over a copy edited in place or a file not ours.
+anything else is refused, by name. Each file is patched or reverted on its own, so a run killed
+between two renames leaves a mix that the next run completes. Our ``trinity/*.py`` are copied in
+(hashes in trinity/.bapo-installed.json); a copy edited in place or a file not ours is never
+overwritten or removed. Temporary files (``.NAME.PID.tmp``) left by a killed run are removed.
 
 A file at one of our module paths is ours when that record lists it or, failing that, when pip's
 RECORD does not and its bytes are the repo's module (``apply`` records it, ``revert`` removes it).
@@ -22,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -35,6 +38,9 @@ NOTES = {
     "unrecorded": "a copy of ours missing from the record: `apply` records it, `revert` removes it",
     "foreign": "neither pip's nor ours: `apply` will not replace it and `revert` leaves it; "
     "remove it by hand if it is an older copy of ours",
+    "modified": "edited since it was installed: neither `apply` nor `revert` replaces or removes "
+    "it; move your change away, then rerun",
+    "stray": "a temporary file of an interrupted run: the next `apply` or `revert` removes it",
 }
 
 
@@ -80,15 +86,16 @@ def stage(site: Path, rels: list[str], tmp: str) -> Path:
 
 
 def place(site: Path, sources: dict[str, Path]) -> None:
-    """Put copies of the sources at their targets, all or none."""
+    """Put copies of the sources at their targets, all or none, keeping a target's mode."""
     pending = []  # copies next to their targets, then renames (which cannot fail)
     try:
         for rel, src in sources.items():
             (site / rel).parent.mkdir(parents=True, exist_ok=True)
-            tmp = (site / rel).with_name(f".{src.name}.{os.getpid()}.tmp")
+            tmp = (site / rel).with_name(f".{Path(rel).name}.{os.getpid()}.tmp")
             pending.append((tmp, site / rel))
             shutil.copyfile(src, tmp)
-            os.chmod(tmp, 0o644)
+            exists = (site / rel).exists()
+            os.chmod(tmp, stat.S_IMODE((site / rel).stat().st_mode) if exists else 0o644)
     except BaseException:
         for tmp, _ in pending:
             tmp.unlink(missing_ok=True)
@@ -114,14 +121,13 @@ def file_states(site: Path, released: dict[str, str]) -> dict[str, str]:
     return states
 
 
-def pending(site: Path, released: dict[str, str], action: str) -> list[Path]:
-    """The patches still to apply (or revert); refuse, naming files, unless each is whole."""
+def pending(site: Path, released: dict[str, str], action: str) -> list[str]:
+    """The files still to patch (or revert); refuse, naming files, unless each is one of both."""
     states = file_states(site, released)
-    per_patch = [{states[rel] for rel in touched([patch])} for patch in series()]
-    if all(kinds in ({"released"}, {"patched"}) for kinds in per_patch):
+    if set(states.values()) <= {"released", "patched"}:
         todo = {"apply": "released", "revert": "patched"}[action]
-        return [patch for patch, kinds in zip(series(), per_patch) if todo in kinds]
-    lines = [f"refusing to {action}: not every patch is wholly applied or not applied at all"]
+        return [rel for rel, state in states.items() if state == todo]
+    lines = [f"refusing to {action}: a touched file is neither released nor patched"]
     for rel, state in states.items():
         lines.append(f"  {state:<9} {rel}")
         if state in ("modified", "missing"):
@@ -131,40 +137,70 @@ def pending(site: Path, released: dict[str, str], action: str) -> list[Path]:
     raise SystemExit("\n".join([*lines, hint]))
 
 
-def rewrite(site: Path, released: dict[str, str], patches: list[Path], reverse: bool) -> None:
-    """Run the patches on copies and move the results into place only if they all worked."""
-    rels = touched(patches)
+def rewrite(site: Path, released: dict[str, str], rels: list[str], reverse: bool) -> None:
+    """Run the series on copies of `rels`; move the results into place only if all worked."""
     with tempfile.TemporaryDirectory(prefix="trinity-patches-") as tmp:
         root = stage(site, rels, tmp)
-        done = git_apply(root, *["-R"] * reverse, *(patches[::-1] if reverse else patches))
+        only = [f"--include={rel}" for rel in rels]
+        done = git_apply(root, *["-R"] * reverse, *only, *series()[:: -1 if reverse else 1])
         if done.returncode or (reverse and any(sha256(root / r) != released[r] for r in rels)):
             raise SystemExit(f"the series did not apply to copies:\n{done.stderr.decode()}")
         place(site, {rel: root / rel for rel in rels})
 
 
-def module_states(site: Path, overlay: Path, released: dict[str, str]) -> dict[str, str]:
-    """Map each repo module to its state; `apply` replaces none modified, blocked or foreign.
+def repo_modules(overlay: Path) -> dict[str, Path]:
+    """Site-relative path -> source of every module under the repo's `trinity/`."""
+    found = sorted(p for p in overlay.rglob("*.py") if "__pycache__" not in p.parts)
+    return {str(src.relative_to(overlay.parent)): src for src in found}
 
-    A recorded copy is installed, outdated (the recorded bytes) or modified; a file the record
-    lacks is unrecorded (the repo's bytes: ours) or foreign; a path pip installed is blocked.
+
+def module_states(site: Path, overlay: Path, released: dict[str, str]) -> dict[str, str]:
+    """Map each repo module and recorded copy to its state; see `clashes`.
+
+    A recorded copy is installed, outdated (the recorded bytes), stale (recorded bytes, no
+    longer in the repo) or modified; a file the record lacks is unrecorded (the repo's bytes:
+    ours) or foreign; a path pip installed is blocked.
     """
-    record, states = read_record(site), {}
-    for src in sorted(p for p in overlay.rglob("*.py") if "__pycache__" not in p.parts):
-        rel = str(src.relative_to(overlay.parent))
-        dst, state = site / rel, "absent"
+    record, sources, states = read_record(site), repo_modules(overlay), {}
+    for rel in sorted(set(sources) | set(record)):
+        src, dst, state = sources.get(rel), site / rel, "absent"
         if rel in released:
             state = "blocked"
         elif dst.exists() and rel in record:
-            digest, wanted = sha256(dst), sha256(src)
-            state = "installed" if digest == wanted else "outdated"
-            state = state if digest in (wanted, record[rel]) else "modified"
-        elif dst.exists():
+            digest = sha256(dst)
+            if src and digest == sha256(src):
+                state = "installed"
+            elif digest == record[rel]:
+                state = "outdated" if src else "stale"
+            else:
+                state = "modified"
+        elif dst.exists() and src:
             state = "unrecorded" if sha256(dst) == sha256(src) else "foreign"
         states[rel] = state
     return states
 
 
-def strays(site: Path, released: dict[str, str], rels: list[str]) -> list[str]:
+def clashes(states: dict[str, str], wanted: set[str]) -> dict[str, str]:
+    """Files the run must not touch: edited copies, or what is not ours where ours would go."""
+    return {
+        rel: state
+        for rel, state in states.items()
+        if state == "modified" or (rel in wanted and state in ("blocked", "foreign"))
+    }
+
+
+def strays(site: Path, rels: list[str]) -> list[str]:
+    """Temporary files ``.NAME.PID.tmp`` that a killed run left beside the files `rels`."""
+    found = set()
+    for rel in [*rels, RECORD]:
+        name = Path(rel).name
+        for path in (site / rel).parent.glob(f".{name}.*.tmp"):
+            if re.fullmatch(rf"\.{re.escape(name)}\.\d+\.tmp", path.name):
+                found.add(str(path.relative_to(site)))
+    return sorted(found)
+
+
+def foreign(site: Path, released: dict[str, str], rels: list[str]) -> list[str]:
     """Files ``*.py`` beside the modules `rels` that neither pip's RECORD nor our record lists."""
     found = {str(p.relative_to(site)) for rel in rels for p in (site / rel).parent.glob("*.py")}
     return sorted(found - set(released) - set(read_record(site)))
@@ -204,34 +240,42 @@ def locked(site: Path) -> Iterator[None]:
         os.close(handle)  # frees the lock, as the end of the process would
 
 
+def write_record(site: Path, record: dict[str, str]) -> None:
+    """Replace our record of installed modules in one rename, as ``place`` does."""
+    with tempfile.TemporaryDirectory(prefix="trinity-patches-") as tmp:
+        Path(tmp, "record.json").write_text(json.dumps(record, indent=1, sort_keys=True))
+        place(site, {RECORD: Path(tmp, "record.json")})
+
+
 def cmd_apply(site: Path, overlay: Path, reverse: bool) -> None:
-    """Patch or revert (unless done already), then install or remove our modules."""
-    released = released_hashes(site)
-    todo = pending(site, released, "revert" if reverse else "apply")
+    """Patch or revert (finishing what a killed run left), then install or remove our modules."""
+    released, action = released_hashes(site), "revert" if reverse else "apply"
+    todo = pending(site, released, action)
     states = module_states(site, overlay, released)
-    wanted = {} if reverse else states
-    clashes = {rel: s for rel, s in wanted.items() if s in ("modified", "blocked", "foreign")}
-    if clashes:
-        lines = ["refusing to install our modules over these files:", *listing(clashes)]
-        raise SystemExit("\n".join(lines))
+    wanted = set() if reverse else set(repo_modules(overlay))
+    refused = clashes(states, wanted)
+    if refused:
+        lines = [f"refusing to {action}: these files are not ours to replace or remove:"]
+        raise SystemExit("\n".join([*lines, *listing(refused)]))
+    for rel in strays(site, [*touched(), *states]):  # under the lock: no run is writing them
+        (site / rel).unlink()
     if todo:
         rewrite(site, released, todo, reverse)
-    print(f"{len(todo)} of {len(series())} patches {'reverted' if reverse else 'applied'} now")
+    done = [patch for patch in series() if set(touched([patch])) & set(todo)]
+    print(f"{len(done)} of {len(series())} patches {'reverted' if reverse else 'applied'} now")
     before = read_record(site)
     ours = set(before) | {rel for rel, state in states.items() if state == "unrecorded"}
-    removed = sorted(ours - set(wanted) - set(released))  # never a file pip installed
+    removed = sorted(ours - wanted - set(released))  # never a file pip installed
     remove_modules(site, removed)
-    copies = {rel: overlay.parent / rel for rel, s in wanted.items() if s in ("absent", "outdated")}
+    copies = {rel: overlay.parent / rel for rel in wanted if states[rel] in ("absent", "outdated")}
     place(site, copies)
     record = {rel: sha256(site / rel) for rel in wanted}
     if record and record != before:
-        tmp = Path(f"{site / RECORD}.{os.getpid()}")
-        tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
-        os.replace(tmp, site / RECORD)
+        write_record(site, record)
     elif not record:
         (site / RECORD).unlink(missing_ok=True)
     if reverse:
-        left = {rel: "foreign" for rel in strays(site, released, list(states))}
+        left = {rel: "foreign" for rel in foreign(site, released, list(states))}
         print("\n".join([f"our modules: {len(removed)} removed", *listing(left)]))
     else:
         print(f"our modules: {len(wanted)} installed, {len(copies)} of them copied now")
@@ -241,11 +285,15 @@ def cmd_status(site: Path, overlay: Path) -> bool:
     """Print the state of every touched file and module; True when all is as the repo has it."""
     released = released_hashes(site)
     files, modules = file_states(site, released), module_states(site, overlay, released)
-    modules |= {rel: "stale" for rel in read_record(site) if rel not in modules}
-    others = {rel: "foreign" for rel in strays(site, released, list(modules)) if rel not in modules}
+    others = {
+        rel: "foreign" for rel in foreign(site, released, list(modules)) if rel not in modules
+    }
+    left = {rel: "stray" for rel in strays(site, [*files, *modules])}
     print(f"{DIST} {VERSION} in {site}")
     for kind, states in (("touched files", files), ("our modules", modules | others)):
         print("\n".join([f"{kind}:", *listing(states)]))
+    if left:
+        print("\n".join(["left by an interrupted run:", *listing(left)]))
     return set(files.values()) == {"patched"} and set(modules.values()) <= {"installed"}
 
 
@@ -257,11 +305,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlay", type=Path, default=REPO / "trinity", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     site = (args.site or Path(str(importlib.metadata.distribution(DIST).locate_file("")))).resolve()
-    if args.command != "status":
-        with locked(site):
-            cmd_apply(site, args.overlay.resolve(), reverse=args.command == "revert")
-    elif not cmd_status(site, args.overlay.resolve()):
-        return 1  # not everything is patched and installed as the repo has it
+    try:
+        if args.command != "status":
+            with locked(site):
+                cmd_apply(site, args.overlay.resolve(), reverse=args.command == "revert")
+        elif not cmd_status(site, args.overlay.resolve()):
+            return 1  # not everything is patched and installed as the repo has it
+    except OSError as error:  # a read-only site, say: what failed where, in one line
+        if error.filename is None:
+            raise
+        where = Path(error.filename).parent
+        raise SystemExit(f"cannot {args.command} in {where}: {error.strerror}") from None
     return 0
 
 

@@ -14,6 +14,7 @@ PAPER_STEPS = 36 + 15  # (3.0 - 1.2) / 0.05 upper steps, then (0.9 - 0.6) / 0.02
 BAPO_METRICS = [f"bapo_{k}" for k in ("clip_low", "clip_high", "positive_contribution")]
 BAPO_METRICS += [f"bapo_{k}" for k in ("target_met", "search_steps")]
 METRIC_KEYS = {*BAPO_METRICS, "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "pg_loss"}
+BATCH_KEYS = ("logprob", "old_logprob", "mask", "advantages")  # the order of ``call``
 
 # Named settings: the paper's grid in both orders, the authors' yaml, and their run script, whose
 # 0.95 / 2.0 ends are reached only through the ``min(c + step, max)`` cap.
@@ -110,3 +111,29 @@ def make_case(case: str, rank: int, world: int, seed: int = 0) -> dict:
         "advantages": advantages.float(),
         "mask": mask.to(torch.int64),
     }
+
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+OVERFLOWS = ("positive_and_zero", "negative")
+
+
+def overflow_case(kind: str, rank: int, dtype: str) -> dict:
+    """One rank's batch in ``dtype`` with log-ratios past float16's ``exp`` (11.09) and the clamp.
+
+    ``positive_and_zero``: log-ratios 12 and 25 on a token with A > 0 and one with A = 0 (which
+    rank 1 swaps); ``negative``: 12 on a token with A < 0 too. The other advantages lean
+    negative, so the search moves; a masked token holds 30.
+    """
+    gen = torch.Generator().manual_seed(rank)
+    log_ratio = torch.randn(2, 8, generator=gen) * 0.3
+    advantages = torch.randn(2, 8, generator=gen) * 0.5 - 0.5
+    log_ratio[0, :3] = torch.tensor([12.0, 25.0, 30.0])
+    advantages[0, :2] = torch.tensor([2.0, 0.0] if rank % 2 == 0 else [0.0, 2.0])
+    if kind == "negative":
+        log_ratio[1, 0], advantages[1, 0] = 12.0, -0.5
+    mask = torch.ones(2, 8, dtype=torch.int64)
+    mask[0, 2] = 0
+    old_logprob = -torch.rand(2, 8, generator=gen) - 0.1
+    fields = {"logprob": old_logprob + log_ratio, "old_logprob": old_logprob}
+    fields["advantages"] = advantages
+    return {**{k: v.to(DTYPES[dtype]) for k, v in fields.items()}, "mask": mask}

@@ -137,3 +137,23 @@ def pairs_by_call(calls_by_rank) -> list:
     """For each loss call, the (c_low, c_high) each rank chose; every rank made as many calls."""
     assert len({len(calls) for calls in calls_by_rank}) == 1, "ranks made different call counts"
     return [[chosen(c["metrics"])[:2] for c in calls] for calls in zip(*calls_by_rank)]
+
+
+def tokens_in(dtype, data) -> list:
+    """(ratio, advantage) of every live token, the ratio computed in ``dtype`` as a loss does.
+
+    So float16's ``exp`` overflows to inf past a log-ratio of 11.09, where ``token_lists``
+    computes in double precision.
+    """
+    lp, old, adv = (
+        torch.as_tensor(data[k], dtype=dtype) for k in ("logprob", "old_logprob", "advantages")
+    )
+    ratio = torch.exp(torch.clamp(lp - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    flat = (t.reshape(-1).tolist() for t in (ratio, adv, torch.as_tensor(data["mask"])))
+    return [(r, a) for r, a, m in zip(*flat) if m]
+
+
+def rounded_to(dtype) -> Callable[[float], float]:
+    """A bound as ``torch.clamp`` meets a ratio of ``dtype``: rounded, capped at its largest."""
+    top = torch.finfo(dtype).max
+    return lambda bound: torch.tensor(min(float(bound), top), dtype=dtype).item()

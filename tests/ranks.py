@@ -44,8 +44,9 @@ class Context:
         self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else "cpu"
 
     def put(self, data: dict) -> dict:
-        """Move a case's tensors to this rank's device (a meta tensor stays: a wrong device)."""
-        return {k: v if v.is_meta else v.to(self.device) for k, v in data.items()}
+        """Move a case's tensors to this rank's device (a meta tensor, or no tensor, stays)."""
+        moves = {k: isinstance(v, torch.Tensor) and not v.is_meta for k, v in data.items()}
+        return {k: v.to(self.device) if moves[k] else v for k, v in data.items()}
 
 
 def call_bapo(ctx: Context, loss_fn, data: dict, group) -> dict:

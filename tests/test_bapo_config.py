@@ -215,6 +215,8 @@ def test_sync_flag_reaches_the_loss(tmp_path):
 
 BAD_ARGUMENTS = [("positive_contribution_target", 1.5), ("search_order", "sideways")]
 BAD_ARGUMENTS += [("clip_ratio_c", 1.0), ("ratio_upper_max", "3.0"), ("ratio_lower_step", None)]
+# A quoted 'false' would sync; the trainer passes its own backend, so a second one fails there.
+BAD_ARGUMENTS += [("sync_across_dp", "false"), ("backend", "verl"), ("backend", "x")]
 
 
 @pytest.mark.parametrize("argument, value", BAD_ARGUMENTS)

@@ -14,7 +14,7 @@ import torch
 from scripts.harness.launch import tail, torchrun
 from tests import oracle
 from tests.dist_checks import BAD_CALLS, CHECKS, SIZES
-from tests.inputs import CASES, CONFIGS, chosen, loss_kwargs
+from tests.inputs import CASES, CONFIGS, DTYPES, chosen, loss_kwargs
 
 WORLD = 4
 ALL_REDUCE = "c10d.allreduce_.default"
@@ -134,17 +134,19 @@ def test_nan_on_one_rank_keeps_the_start_pair_everywhere_then_the_next_call_move
 @with_backend
 @with_size
 def test_one_failing_rank_makes_every_rank_raise_in_that_call(launches, backend, size):
-    """Bool advantages, then old log-probs one token short, on the group's last rank only.
+    """The faults of ``BAD_CALLS`` (None, a list, a meta tensor among them) on the last rank.
 
     That rank raises what the same input raises with no group; the others a RuntimeError of
-    BAPO's saying another rank failed; in the good calls between and after, every rank takes
-    the union's pair again in one all-reduce (the group is still in step).
+    BAPO's saying another rank failed; every rank within seconds, where one left out of the
+    all-reduce would keep the others waiting for the group's timeout (50 s); in the good calls
+    between and after, every rank takes the union's pair again in one all-reduce.
     """
     result = results(launches, backend, "failure", size)
     datas = [rank_result["data"] for rank_result in result]
     want = oracle.search(oracle.union_tokens(datas), loss_kwargs("paper_upper"))
     assert oracle.locals_differ(datas, "paper_upper"), "data cannot tell local from synced"
     for rank, rank_result in enumerate(result):
+        assert max(rank_result["seconds"]) < 10, (rank, rank_result["seconds"])
         for call, got in enumerate(rank_result["calls"]):
             where = (rank, call, got)
             if call not in BAD_CALLS:
@@ -156,6 +158,28 @@ def test_one_failing_rank_makes_every_rank_raise_in_that_call(launches, backend,
             else:
                 assert got["raised"] == "RuntimeError", where
                 assert "BAPO" in got["message"] and "another rank" in got["message"], where
+
+
+@with_backend
+@with_size
+def test_overflowing_ratios_take_the_union_pair_of_eq8_in_every_dtype(launches, backend, size):
+    """Ratios of e^12 and e^20 (inf in float16) on tokens of each sign, on every rank.
+
+    Every rank's pair and rho equal the literal Algorithm 1 on the union of the tokens as the
+    loss sees them in that dtype, with bounds rounded as torch.clamp rounds them.
+    """
+    result = results(launches, backend, "overflow", size)
+    for key, dtype in ((key, DTYPES[key.split()[0]]) for key in result[0]):
+        union = [t for rank in result for t in oracle.tokens_in(dtype, rank[key]["data"])]
+        bound = oracle.rounded_to(dtype)
+        for name in result[0][key]["runs"]:
+            want = oracle.search(union, loss_kwargs(name), bound=bound)
+            rho = oracle.rho(union, *map(bound, want[:2]))
+            for rank, rank_result in enumerate(result):
+                metrics = rank_result[key]["runs"][name]["metrics"]
+                assert chosen(metrics) == want, (key, name, rank)
+                got = metrics["bapo_positive_contribution"]
+                assert got == pytest.approx(rho, rel=1e-9, abs=0), (key, name, rank)
 
 
 def test_by_hand_check_two_ranks():

@@ -14,7 +14,20 @@ import pytest
 import torch
 
 from tests import oracle
-from tests.inputs import ORDERS, PAPER_STEPS, RANGE_ARGS, batch, call, point
+from tests.inputs import (
+    BATCH_KEYS,
+    DTYPES,
+    ORDERS,
+    OVERFLOWS,
+    PAPER_STEPS,
+    RANGE_ARGS,
+    batch,
+    call,
+    chosen,
+    loss_kwargs,
+    overflow_case,
+    point,
+)
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn, candidates
 
 LOWER_STEPS = (0.01, 0.02, 0.025, 0.03, 0.04, 0.05, 0.07, 0.1, 0.15, 0.2)
@@ -245,3 +258,36 @@ def test_half_precision_ratio_that_underflows_stays_on_its_side():
     assert torch.exp(half[0] - half[1])[0, 1] == 0  # the case really underflows
     _, metrics = call(BAPOPolicyLossFn(**point(0.6, 1.2)), half[0], half[1], mask, half[2])
     assert metrics["bapo_positive_contribution"] == pytest.approx(want, rel=1e-3)
+
+
+def test_float16_overflow_on_a_positive_token_follows_eq8():
+    """A log-ratio of 12 overflows float16: P = min(inf, c_high) = c_high, N = 3 max(1, c_low).
+
+    rho = c_high / (c_high + 3) first reaches 0.4 at c_high = 2.0, after 16 raises of 0.05;
+    a NaN from 0 * inf would keep the start pair instead.
+    """
+    logprob = torch.tensor([[12.0, 0.0, 0.0, 0.0]], dtype=torch.float16)
+    adv = torch.tensor([[1.0, -1.0, -1.0, -1.0]], dtype=torch.float16)
+    assert torch.isinf(logprob.exp()[0, 0])
+    _, m = call(BAPOPolicyLossFn(), logprob, torch.zeros_like(logprob), torch.ones(1, 4), adv)
+    assert chosen(m) == (0.6, 2.0, 16) and m["bapo_positive_contribution"] == 0.4
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("kind", OVERFLOWS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_overflowing_ratios_of_each_sign_follow_eq8_in_every_dtype(dtype, kind, order):
+    """Ratios of e^12 and e^20 (inf in float16) on tokens with A > 0, A = 0 and A < 0.
+
+    The pair and rho equal the literal Algorithm 1 on the tokens as the loss sees them, in the
+    dtype, with bounds rounded as torch.clamp rounds them.
+    """
+    data = overflow_case(kind, 0, dtype)
+    kwargs = loss_kwargs("paper_upper" if order == "upper_first" else "paper_lower")
+    tokens, bound = oracle.tokens_in(DTYPES[dtype], data), oracle.rounded_to(DTYPES[dtype])
+    assert (dtype == "float16") == any(math.isinf(r) for r, _ in tokens)
+    want = oracle.search(tokens, kwargs, bound=bound)
+    _, m = call(BAPOPolicyLossFn(**kwargs), *(data[k] for k in BATCH_KEYS))
+    assert chosen(m) == want and want != (0.6, 1.2, 0)
+    rho = oracle.rho(tokens, *map(bound, want[:2]))
+    assert m["bapo_positive_contribution"] == pytest.approx(rho, rel=1e-9, abs=0)

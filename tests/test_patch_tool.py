@@ -9,7 +9,10 @@ import base64
 import hashlib
 import importlib.metadata
 import os
+import re
 import shutil
+import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -74,10 +77,33 @@ def snapshot(site: Path, with_times: bool = True) -> dict[str, tuple]:
     return state
 
 
-def tool(command: str, site: Path, *args: str | Path, status: int = 0) -> CompletedProcess:
-    """Run the CLI on `site` the way the Makefile does, in a fresh interpreter; require `status`."""
-    argv = [sys.executable, str(TOOL), command, "--site", *map(str, (site, *args))]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+# Runs the tool as its own __main__ after a prelude given as the first argument.
+RUN_AFTER = "import runpy, sys; exec(sys.argv.pop(1)); sys.argv[:] = sys.argv[1:]; "
+RUN_AFTER += "runpy.run_path(sys.argv[0], run_name='__main__')"
+# The prelude that SIGKILLs the tool right after its first `renames` os.replace calls.
+KILL_AFTER = """import os, signal
+done, replace = [], os.replace
+def killing_replace(*args):
+    replace(*args)
+    done.append(args)
+    if len(done) == {renames}:
+        os.kill(os.getpid(), signal.SIGKILL)
+os.replace = killing_replace
+"""
+
+
+def tool(
+    command: str, site: Path, *args: str | Path, status: int = 0, prelude: str = "", wrap=()
+) -> CompletedProcess:
+    """Run the CLI on `site` the way the Makefile does, in a fresh interpreter; require `status`.
+
+    ``prelude`` runs first in the tool's interpreter; ``wrap`` is a command line prefix.
+    """
+    first = ["-c", RUN_AFTER, prelude] if prelude else []
+    argv = [*wrap, sys.executable, *first, str(TOOL), command, "--site"]
+    result = subprocess.run(
+        [*argv, *map(str, (site, *args))], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == status, result.stdout + result.stderr
     return result
 
@@ -171,14 +197,107 @@ def test_apply_completes_a_series_that_grew(site: Path, released: Path, tmp_path
     assert snapshot(in_one_step, with_times=False) == snapshot(site, with_times=False)
 
 
-def test_refuses_a_half_applied_patch(site: Path, released: Path) -> None:
+def temporaries(site: Path) -> list[str]:
+    """The tool's temporary files (``.NAME.PID.tmp``) anywhere in the package."""
+    return [rel for rel in package_files(site) if re.fullmatch(r"\..+\.\d+\.tmp", Path(rel).name)]
+
+
+@pytest.fixture(scope="session")
+def patched(released: Path, tmp_path_factory) -> Path:
+    """A site where the tool applied the series and installed our modules."""
+    site = tmp_path_factory.mktemp("patched") / "site"
+    shutil.copytree(released, site, symlinks=True)
+    tool("apply", site)
+    return site
+
+
+@pytest.mark.parametrize("command", ["apply", "revert"])
+def test_a_half_applied_patch_is_completed(site: Path, released: Path, patched: Path, command):
     with_two_files = next(name for name in series() if len(touched(name)) > 1)
     gnu_patch(site, with_two_files)
     first, second = touched(with_two_files)[:2]
     shutil.copyfile(released / first, site / first)
-    stderr = refused("apply", site)
-    assert f"released  {first}" in stderr
-    assert f"patched   {second}" in stderr
+    tool(command, site)
+    want = patched if command == "apply" else released
+    assert snapshot(site, with_times=False) == snapshot(want, with_times=False)
+
+
+@pytest.mark.parametrize("renames", [1, 4])
+@pytest.mark.parametrize("command", ["apply", "revert"])
+def test_a_run_killed_between_renames_is_completed_by_the_next(
+    site: Path, released: Path, patched: Path, command: str, renames: int, tmp_path: Path
+) -> None:
+    """SIGKILL after the first rename(s): a mix of released and patched files, and strays.
+
+    ``status`` names the strays; the next ``apply`` and, from a copy of the same state,
+    ``revert`` finish the work, and no temporary file survives them.
+    """
+    if command == "revert":
+        tool("apply", site)
+    tool(command, site, prelude=KILL_AFTER.format(renames=renames), status=-signal.SIGKILL)
+    record = released_record()
+    states = {sha256(site / rel) == record[rel] for rel in touched()}
+    assert states == {True, False}, "the kill left no mix of released and patched files"
+    assert temporaries(site), "the kill left no temporary file"
+    stdout = tool("status", site, status=1).stdout
+    assert all(f"stray     {rel}" in stdout for rel in temporaries(site)), stdout
+    again = tmp_path / "again"
+    shutil.copytree(site, again, symlinks=True)
+    for command, where, want in (("apply", site, patched), ("revert", again, released)):
+        tool(command, where)
+        assert snapshot(where, with_times=False) == snapshot(want, with_times=False), command
+        assert not temporaries(where)
+
+
+@pytest.mark.parametrize("command", ["apply", "revert"])
+def test_file_modes_are_kept(site: Path, command: str) -> None:
+    if command == "revert":
+        tool("apply", site)
+    modes = dict(zip(touched(), [0o444, 0o600, 0o640, 0o755] * len(touched())))
+    for rel, mode in modes.items():
+        os.chmod(site / rel, mode)
+    tool(command, site)
+    assert {rel: stat.S_IMODE((site / rel).stat().st_mode) for rel in modes} == modes
+
+
+def directories(site: Path) -> list[Path]:
+    """The site and every directory under it."""
+    return [site, *(path for path in site.rglob("*") if path.is_dir())]
+
+
+@pytest.fixture
+def read_only(site: Path):
+    """Make every directory of the site read-only, until the test ends, when called.
+
+    Returns the command prefix under which root, too, obeys the permissions.
+    """
+    wrap: tuple = ()
+    if os.geteuid() == 0:  # root writes anywhere unless it drops these capabilities
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv, which can drop CAP_DAC_OVERRIDE")
+        wrap = ("setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--")
+
+    def make_read_only() -> tuple:
+        for directory in directories(site):
+            directory.chmod(0o555)
+        return wrap
+
+    yield make_read_only
+    for directory in directories(site):
+        directory.chmod(0o755)
+
+
+@pytest.mark.parametrize("command", ["apply", "revert"])
+def test_a_read_only_site_gives_one_line_naming_the_directory(site: Path, read_only, command):
+    if command == "revert":
+        tool("apply", site)
+    wrap = read_only()
+    before = snapshot(site)
+    stderr = tool(command, site, status=1, wrap=wrap).stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and f"cannot {command} in {site}" in lines[0], stderr
+    assert "Permission denied" in lines[0]
+    assert snapshot(site) == before
 
 
 def test_refuses_to_shadow_an_upstream_module(site: Path, ours: Path) -> None:
@@ -196,13 +315,28 @@ def test_leaves_a_file_of_the_users_at_a_module_path_alone(site: Path) -> None:
     assert mine.read_text() == "# the user's own\n"
 
 
-def test_refuses_to_overwrite_an_installed_copy_edited_in_place(site: Path) -> None:
+@pytest.mark.parametrize("command", ["apply", "revert"])
+def test_never_replaces_or_removes_an_installed_copy_edited_in_place(site: Path, command) -> None:
     tool("apply", site)
     rel = modules()[0]
     with open(site / rel, "a") as handle:
         handle.write("# edited in site-packages\n")
-    assert f"modified  {rel}" in refused("apply", site)
+    assert f"modified  {rel}" in refused(command, site)
     assert (site / rel).read_text().endswith("# edited in site-packages\n")
+
+
+def test_never_removes_an_edited_copy_of_a_module_the_repo_dropped(site: Path, ours: Path) -> None:
+    dropped = write(ours / "algorithm" / "bapo_dropped.py", "VALUE = 1\n")
+    tool("apply", site, "--overlay", ours)
+    installed = site / "trinity" / "algorithm" / "bapo_dropped.py"
+    installed.write_text("VALUE = 2  # a hotfix\n")
+    dropped.unlink()
+    write(ours / "algorithm" / "bapo_kept.py", "VALUE = 1\n")
+    for command in ("apply", "revert"):
+        assert "modified  trinity/algorithm/bapo_dropped.py" in refused(
+            command, site, "--overlay", ours
+        )
+    assert installed.read_text() == "VALUE = 2  # a hotfix\n"
 
 
 def test_apply_follows_overlay_changes_and_revert_removes_new_dirs(site: Path, ours: Path) -> None:

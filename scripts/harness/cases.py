@@ -38,7 +38,7 @@ def bench_batch(shape, seed: int, negative_share: float = 0.85, device: Any = "c
 
 def product_search(loss_fn: BAPOPolicyLossFn, batch: Dict, group=None) -> Tuple[float, ...]:
     """The search of ``loss_fn.__call__`` alone, over ``group``: (c_low, c_high, steps, rho)."""
-    sums = loss_fn._prepare(**batch)[4]
+    sums = loss_fn._prepare(**batch)[-1]
     if group is not None:
         dist.all_reduce(sums, group=group)
     i, j, rho = loss_fn._search(sums.tolist())

@@ -52,7 +52,7 @@ def run_bench(args) -> int:
     with CollectiveCounter() as counter:  # a fresh loss's first call
         first = loss_fn(**batch, dp_group=group)[1]
     ours = BAPOPolicyLossFn(**{**PAPER, "search_order": "lower_first"})
-    ratio, _, advantages, _, _ = ours._prepare(**batch)
+    ratio, _, advantages, *_ = ours._prepare(**batch)
 
     def authors():
         all_reduce = functools.partial(dist.all_reduce, group=group)

@@ -131,11 +131,12 @@ def run_rank(rank, store):
             "alone": chosen(BAPOPolicyLossFn(**args, sync_across_dp=False)(**batch)[1]),
             "trinity": chosen(engine_call(args, batch, group)),
         }
-    bad = {**batch, "advantages": batch["advantages"] > 0} if rank == 1 else batch  # bool: fails
-    try:
-        BAPOPolicyLossFn()(**bad, dp_group=group)
-    except Exception as error:  # what this rank raises in the failing call
-        record["failure"] = f"{type(error).__name__}: {error}"
+    faults = {"failure": {"advantages": batch["advantages"] > 0}, "no_logprob": {"logprob": None}}
+    for name, fault in faults.items():  # rank 1's inputs fail: bool advantages, then no tensor
+        try:
+            BAPOPolicyLossFn()(**{**batch, **fault} if rank == 1 else batch, dp_group=group)
+        except Exception as error:  # what this rank raises in the failing call
+            record[name] = f"{type(error).__name__}: {error}"
     record["after"] = chosen(BAPOPolicyLossFn()(**batch, dp_group=group)[1])
     (Path(store).parent / f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
@@ -244,6 +245,14 @@ class BAPOTrainerCheckTest(unittest.TestCase):
                 for warning in warnings:
                     self.assertIn(f"BAPO: {actor}", warning)
 
+    def test_backend_among_the_loss_arguments_is_refused(self):
+        """The trainer passes its own backend: a second one would fail there, not at validation."""
+        for loss in BAPO_LOSS:
+            config = offline_config(*loss)
+            config.algorithm.policy_loss_fn_args = {"backend": "verl"}
+            with self.assertRaisesRegex(ValueError, "`backend`"):
+                validate(config)
+
 
 @unittest.skipUnless(ENGINE_LOSS, "needs verl >= 0.8, whose engine passes dp_group")
 class BAPODataParallelTest(unittest.TestCase):
@@ -286,9 +295,14 @@ class BAPODataParallelTest(unittest.TestCase):
             self.assertNotEqual(alone[0], alone[1], name)
 
     def test_one_rank_failing_makes_every_rank_raise_in_that_call(self):
-        """Rank 1's bad inputs raise there; rank 0 raises BAPO's error; the group goes on."""
-        self.assertRegex(self.ranks[0]["failure"], "^RuntimeError: BAPO: .*another rank")
-        self.assertNotRegex(self.ranks[1]["failure"], "another rank")
+        """Rank 1's bad inputs raise there; rank 0 raises BAPO's error; the group goes on.
+
+        A log-prob that is no tensor at all (None) fails the same way, with its own error.
+        """
+        for name in ("failure", "no_logprob"):
+            self.assertRegex(self.ranks[0][name], "^RuntimeError: BAPO: .*another rank")
+            self.assertNotRegex(self.ranks[1][name], "another rank")
+        self.assertRegex(self.ranks[1]["no_logprob"], "^TypeError: .*NoneType")
         union = single_process_pair({}, self.batches)
         self.assertEqual([record["after"] for record in self.ranks], [union] * WORLD)
 

@@ -185,6 +185,25 @@ class BAPOPolicyLossTest(unittest.TestCase):
                 pairs.add(got)
         self.assertGreater(len(pairs), 4)  # start pairs, mid-path stops and ends of the grids
 
+    def test_bapo_counts_an_overflowing_float16_ratio_as_eq8(self):
+        """A ratio of exp(12), inf in float16, counts as Eq. 8 says: min(inf, c_high) = c_high.
+
+        Eq. 8 counts a token in P only where A > 0 and in N only where A < 0, so P = c_high and
+        N = 3 max(1, c_low) = 3: rho = c_high / (c_high + 3) first reaches 0.4 at c_high = 2.0.
+        The zero-advantage token with an inf ratio counts nowhere.
+        """
+        logprob = torch.tensor([[12.0, 0.0, 0.0, 0.0, 12.0]], dtype=torch.float16)
+        advantages = torch.tensor([[1.0, -1.0, -1.0, -1.0, 0.0]], dtype=torch.float16)
+        _, metrics = POLICY_LOSS_FN.get("bapo")()(
+            logprob=logprob,
+            old_log_probs=torch.zeros_like(logprob),
+            response_mask=torch.ones_like(logprob),
+            advantages=advantages,
+        )
+        got = [metrics[f"bapo_{key}"] for key in ("clip_low", "clip_high", "search_steps")]
+        self.assertEqual(got, [0.6, 2.0, 16])
+        self.assertEqual(metrics["bapo_positive_contribution"], 0.4)
+
     def test_bapo_refuses_a_lower_range_without_room_under_upper_first(self):
         """Algorithm 1 raises c_high only while c_low has room; the config would never adapt."""
         policy_loss_fn_cls = POLICY_LOSS_FN.get("bapo")

@@ -4,13 +4,16 @@ On stale data negative-advantage tokens dominate the update: BAPO raises c_low a
 movable ranges until positive tokens carry a share rho0 of the loss (Eq. 8), over the dp_group.
 """
 
+import math
 import numbers
 from fractions import Fraction
 from typing import Dict, List, Tuple, cast
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from trinity.algorithm.key_mapper import ALL_MAPPERS
 from trinity.algorithm.policy_loss_fn.policy_loss_fn import PolicyLossFn
 from trinity.algorithm.utils import aggregate_loss, masked_mean
 
@@ -22,6 +25,8 @@ AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 
 def number(name: str, value, low: float, high: float) -> float:
     """``value`` as a float; a ``ValueError`` naming ``name`` unless it is a number in range."""
+    if isinstance(value, np.floating):  # as it prints: np.float32(0.02) is 0.0199999995 as a float
+        value = float(str(value))
     real = isinstance(value, numbers.Real) and not isinstance(value, bool)
     if not (real and low <= cast(float, value) <= high):
         raise ValueError(f"BAPO: `{name}` must be a number in [{low}, {high}]: {value!r}")
@@ -33,12 +38,13 @@ def candidates(name: str, start, maximum, step, low: float, high: float, cap: bo
     # 0.6 + 15 * 0.02 is 0.9 here, not 0.8999...; ``cap``: the authors' min(c + step, max) end
     start = number(f"{name}_start", start, low, high)
     maximum = number(f"{name}_max", maximum, start, high)
-    if start == maximum:
+    if start == maximum:  # a point: its step is never used, but a typo in it is still refused
+        number(f"{name}_step", step, -math.inf, math.inf)
         return [start]
     a, b, d = (Fraction(str(x)) for x in (start, maximum, number(f"{name}_step", step, 0, high)))
-    if not (d > 0 and (b - a) / d < MAX_CANDIDATES):
+    if not (d > 0 and (b - a) // d + 1 + (cap and (b - a) % d != 0) <= MAX_CANDIDATES):
         raise ValueError(f"BAPO: `{name}_step` must be > 0, for {MAX_CANDIDATES} bounds at most")
-    grid = [float(a + k * d) for k in range(int((b - a) / d) + 1)]
+    grid = [float(a + k * d) for k in range((b - a) // d + 1)]
     return grid + [maximum] if cap and grid[-1] < maximum else grid
 
 
@@ -67,7 +73,11 @@ class BAPOPolicyLossFn(PolicyLossFn):
         Where the literal loop would keep the start pair silently, upper_first refuses a lower
         range without room for a step beside a movable upper range: it could never adapt.
         """
+        if not (isinstance(backend, str) and backend in ALL_MAPPERS):
+            raise ValueError(f"BAPO: `backend` must be one of {list(ALL_MAPPERS)}: {backend!r}")
         super().__init__(backend=backend)
+        if not isinstance(sync_across_dp, bool):  # a quoted 'false' from YAML would sync
+            raise ValueError(f"BAPO: `sync_across_dp` must be true or false: {sync_across_dp!r}")
         if search_order not in ("upper_first", "lower_first"):
             raise ValueError("BAPO: `search_order` must be upper_first or lower_first")
         if loss_agg_mode not in AGG_MODES:
@@ -100,18 +110,21 @@ class BAPOPolicyLossFn(PolicyLossFn):
     ) -> Tuple[torch.Tensor, Dict]:
         """Choose this call's clip pair (over the dp_group); return the clipped loss and metrics.
 
-        A rank whose inputs fail still joins the one all-reduce, with its failure flag set, so
-        every rank raises in this call: that rank its own error, the others a ``RuntimeError``.
+        A rank whose inputs fail (whatever they are) still joins the one all-reduce, with its
+        failure flag set, on the device of the group's backend: every rank raises in this call,
+        that rank its own error, the others a ``RuntimeError``.
         """
         group = dp_group if self.sync_across_dp and dist.is_initialized() else None
+        device = None if group is None else dist.distributed_c10d._get_object_coll_device(group)
         try:
-            ratio, log_ratio, advantages, unclipped, sums = self._prepare(
+            ratio, log_ratio, advantages, unclipped, bounds, sums = self._prepare(
                 logprob, old_logprob, action_mask, advantages
             )
+            sums = sums if device is None else sums.to(device)
         except Exception:
-            if group is not None:  # join the all-reduce that the other ranks are making
+            if device is not None:  # join the all-reduce that the other ranks are making
                 size = 1 + len(self.upper) + len(self.lower)
-                failed = logprob.new_zeros(size, dtype=torch.float64)
+                failed = torch.zeros(size, dtype=torch.float64, device=device)
                 failed[0] = 1.0
                 dist.all_reduce(failed, op=dist.ReduceOp.SUM, group=group)
             raise
@@ -121,7 +134,8 @@ class BAPOPolicyLossFn(PolicyLossFn):
         if values[0] > 0:
             raise RuntimeError("BAPO: the policy loss failed on another rank of the dp_group")
         i, j, rho = self._search(values)
-        pg_loss, metrics = self._clipped_loss(ratio, advantages, unclipped, action_mask, i, j)
+        low, high = bounds[0][i], bounds[1][j]
+        pg_loss, metrics = self._clipped_loss(ratio, advantages, unclipped, action_mask, low, high)
         return pg_loss, {
             "bapo_clip_low": self.lower[i],
             "bapo_clip_high": self.upper[j],
@@ -134,7 +148,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         }
 
     def _prepare(self, logprob, old_logprob, action_mask, advantages):
-        """The ratio, log-ratio, advantages, unclipped loss, and ``[0, P..., N...]`` in float64."""
+        """Ratio, log-ratio, advantages, unclipped loss, bounds, ``[0, P..., N...]`` in float64."""
         # Eq. 8 at every candidate: P = sum_{A>0} A min(r, c_high), N = sum_{A<0} |A| max(r,
         # c_low); slot 0 is the failure flag. Masked tokens are zeroed first: no NaN there counts.
         masked = action_mask == 0
@@ -144,13 +158,20 @@ class BAPOPolicyLossFn(PolicyLossFn):
         ratio = torch.exp(log_ratio)
         unclipped = -advantages * ratio
         r, a = ratio.detach().reshape(-1).double(), advantages.detach().reshape(-1).double()
-        upper = torch.tensor(self.upper, dtype=ratio.dtype).tolist()  # as torch.clamp rounds them
-        lower = torch.tensor(self.lower, dtype=ratio.dtype).tolist()
+        # The bounds as torch.clamp compares them with ``ratio``; one past the dtype's largest
+        # finite value clips as that value (torch.clamp refuses it: overflow).
+        top = torch.finfo(ratio.dtype).max
+        lower, upper = ([min(c, top) for c in grid] for grid in (self.lower, self.upper))
+        bounds = [torch.tensor(grid, dtype=ratio.dtype).tolist() for grid in (lower, upper)]
+        # A token weighs in P only where A > 0 and in N only where A < 0: elsewhere its ratio
+        # (inf in float16 past log r = 11.09) is replaced, since 0 * inf would make a sum NaN.
         positive, negative = a.clamp(min=0), -a.clamp(max=0)
+        r_positive, r_negative = torch.where(a > 0, r, 0.0), torch.where(a < 0, r, 0.0)
         clamped = torch.empty_like(r)  # one buffer for every candidate: no allocation per bound
-        sums = [a.new_zeros(()), *(positive @ torch.clamp(r, max=c, out=clamped) for c in upper)]
-        sums += [negative @ torch.clamp(r, min=c, out=clamped) for c in lower]
-        return ratio, log_ratio, advantages, unclipped, torch.stack(sums)
+        sums = [a.new_zeros(())]
+        sums += [positive @ torch.clamp(r_positive, max=c, out=clamped) for c in bounds[1]]
+        sums += [negative @ torch.clamp(r_negative, min=c, out=clamped) for c in bounds[0]]
+        return ratio, log_ratio, advantages, unclipped, bounds, torch.stack(sums)
 
     def _search(self, sums: List[float]) -> Tuple[int, int, float]:
         """Indices of (c_low, c_high) and rho there: the path's first pair with rho not < rho0."""
@@ -170,9 +191,9 @@ class BAPOPolicyLossFn(PolicyLossFn):
         i, j = next((pair for pair in path if not rho(*pair) < self.target), path[-1])
         return i, j, rho(i, j)
 
-    def _clipped_loss(self, ratio, advantages, unclipped, mask, i: int, j: int):
-        """The clipped loss of PPOPolicyLossFn and its clip fractions, at candidate pair (i, j)."""
-        clipped = -advantages * torch.clamp(ratio, self.lower[i], self.upper[j])
+    def _clipped_loss(self, ratio, advantages, unclipped, mask, low: float, high: float):
+        """The clipped loss of PPOPolicyLossFn and its clip fractions, at bounds (low, high)."""
+        clipped = -advantages * torch.clamp(ratio, low, high)
         losses = torch.maximum(unclipped, clipped)
         metrics = {"pg_clipfrac": masked_mean(torch.gt(clipped, unclipped).float(), mask).item()}
         dual = -advantages * self.clip_ratio_c
