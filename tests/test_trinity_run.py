@@ -1,0 +1,133 @@
+"""Trinity's own ``trinity run --config`` trains BAPO on 2 data-parallel CPU ranks under Ray.
+
+One launch of ``scripts/trinity_run.py`` for 2 steps, as ``make trinity-run`` runs it: the CLI,
+config loading and validation, the sqlite buffer, Ray, the trainer, verl's worker ranks, the
+engine, ``TrinityPolicyLoss`` with its group, and the checkpoint. The steps and metrics are read
+from what Trinity logged, the agreement from each rank's own record of its loss calls; then
+nothing of that Ray may be left running, and nothing written outside ``runs/``.
+"""
+
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from scripts.harness.launch import REPO, tail
+from scripts.harness.ray_local import ray_processes
+
+STEPS = 2
+OUT = REPO / "runs" / "test-trinity-run"
+EXAMPLE = REPO / "examples" / "bapo_gsm8k" / "gsm8k.yaml"
+BAPO_METRICS = ["clip_low", "clip_high", "positive_contribution", "target_met", "search_steps"]
+START, FAR = (0.6, 1.2), (0.9, 3.0)  # the paper's start pair and its grid's last pair
+
+
+def snapshot(folder: Path):
+    """Every path under ``folder`` with its modification time (None where there is no folder)."""
+    if not folder.exists():
+        return None
+    return sorted((str(p), p.stat().st_mtime_ns) for p in folder.rglob("*"))
+
+
+def git_status() -> str:
+    """``git status --porcelain`` of the checkout (ignored files, such as runs/, not listed)."""
+    done = subprocess.run(
+        ["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True
+    )
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def run():
+    """The launch, its JSON report, and what it left behind."""
+    ray_home, status = Path.home() / ".ray", git_status()
+    before, started = snapshot(ray_home), time.monotonic()
+    cmd = [sys.executable, "-m", "scripts.trinity_run", "--steps", STEPS, "--out", OUT]
+    done = subprocess.run(
+        list(map(str, cmd)), cwd=REPO, capture_output=True, text=True, timeout=900
+    )
+    seconds = time.monotonic() - started
+    lines = done.stdout.strip().splitlines()
+    assert (
+        done.returncode == 0 and lines
+    ), f"exit {done.returncode}\n{tail(done.stdout + done.stderr)}"
+    return dict(
+        report=json.loads(lines[-1]),
+        progress=lines[:-1],
+        ray_home_unchanged=snapshot(ray_home) == before,
+        git_status_unchanged=git_status() == status,
+        left_running=ray_processes(OUT / "ray"),
+        seconds=seconds,
+    )
+
+
+def logged_steps() -> dict:
+    """Trinity's ``Step N: {...}`` lines in the run's log, read apart from the launcher."""
+    steps = {}
+    for line in (OUT / "trinity.log").read_text().splitlines():
+        found = re.search(r"Step (\d+): \{(.*)\}", line)
+        if found:
+            pairs = re.findall(r"'([^']+)': (nan|[-+0-9.e]+)", found.group(2))
+            steps[int(found.group(1))] = {key: float(value) for key, value in pairs}
+    return steps
+
+
+def rank_records() -> list:
+    """Each rank's loss calls, as the recorder in its Ray worker appended them."""
+    return [
+        [json.loads(line) for line in (OUT / "calls" / f"rank{r}.jsonl").read_text().splitlines()]
+        for r in range(2)
+    ]
+
+
+def test_every_step_trained_and_logged_with_bapo_metrics(run):
+    steps = logged_steps()
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    assert len(run["progress"]) >= STEPS and run["report"]["steps"] == sorted(steps)
+    for step, metrics in steps.items():
+        low, high = metrics["actor/bapo_clip_low"], metrics["actor/bapo_clip_high"]
+        assert all(f"actor/bapo_{name}" in metrics for name in BAPO_METRICS), sorted(metrics)
+        assert START[0] <= low <= FAR[0] and START[1] <= high <= FAR[1]
+        rho = metrics["actor/bapo_positive_contribution"]
+        assert 0.0 <= rho <= 1.0 and not math.isnan(metrics["actor/pg_loss"])
+        assert run["report"]["clip_pairs"][step - 1] == [low, high]
+        assert run["report"]["rho"][step - 1] == rho
+
+
+def test_both_ranks_received_the_group_and_chose_the_same_pair_at_every_call(run):
+    calls = rank_records()
+    assert len(calls[0]) == len(calls[1]) >= STEPS
+    pairs = [
+        [(c["metrics"]["bapo_clip_low"], c["metrics"]["bapo_clip_high"]) for c in r] for r in calls
+    ]
+    assert pairs[0] == pairs[1]
+    assert all(c["group_ranks"] == [0, 1] for rank in calls for c in rank)
+    assert any(pair != START for pair in pairs[0]), "the stale data never moved the search"
+    assert run["report"]["ranks_agree"] is True and run["report"]["sync_across_dp"] is True
+
+
+def test_the_last_step_is_saved(run):
+    saved = OUT / run["report"]["checkpoint"]
+    assert saved.name == "actor" and saved.parent.name == f"global_step_{STEPS}"
+    assert any(path.is_file() for path in saved.rglob("*"))
+
+
+def test_the_run_trained_the_examples_algorithm_and_trainer_settings(run):
+    example, used = (yaml.safe_load(p.read_text()) for p in (EXAMPLE, OUT / "config.yaml"))
+    assert used["mode"] == "train" and used["cluster"]["gpu_per_node"] == 2
+    assert used["algorithm"]["algorithm_type"] == example["algorithm"]["algorithm_type"] == "bapo"
+    for key in ("trainer_type", "grad_clip", "use_dynamic_bsz", "ulysses_sequence_parallel_size"):
+        assert used["trainer"][key] == example["trainer"][key]
+
+
+def test_nothing_left_running_or_written_outside_runs(run):
+    assert run["left_running"] == []
+    assert run["ray_home_unchanged"], "the run wrote under ~/.ray"
+    assert run["git_status_unchanged"], "the run wrote into the checkout outside runs/"
+    print(f"trinity-run test launch: {run['seconds']:.0f} s")
