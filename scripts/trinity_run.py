@@ -31,7 +31,7 @@ import yaml
 
 from scripts.harness.cpu import CALL_LOG_ENV, STAND_INS_ENV
 from scripts.harness.launch import PINNED_NUMERICS, REPO
-from scripts.harness.ray_local import start_ray, stop_ray
+from scripts.harness.ray_local import kill_ray, start_ray, stop_ray
 
 EXAMPLE = REPO / "examples" / "bapo_gsm8k" / "gsm8k.yaml"
 RANKS, GROUP, GROUPS_PER_STEP = 2, 4, 4  # trainer ranks; GRPO group size; groups per step
@@ -280,45 +280,68 @@ def checkpoint(out: Path, name: str, steps: int) -> str:
     return str(found[0].relative_to(out)) if found and any(found[0].iterdir()) else ""
 
 
-def main(argv=None) -> int:
-    """Build, start Ray, run ``trinity run``, stop Ray, report."""
-    args = parse_args(argv)
-    started, out, sync = time.monotonic(), args.out.resolve(), not args.no_sync
-    shutil.rmtree(out, ignore_errors=True)  # a run owns its folder: no buffer or checkpoint reused
+def prepare(out: Path, steps: int, sync: bool) -> Path:
+    """The run's folder, emptied, with the model, the config and the filled buffer; the config."""
+    kill_ray(out / "ray")  # a run owns its folder: no Ray, buffer or checkpoint is reused
+    shutil.rmtree(out, ignore_errors=True)
     (out / "calls").mkdir(parents=True)
     build_model(out / "model")
-    config_path = write_config(out, args.steps, sync)
-    fill_buffer(config_path, args.steps)
-    print(f"inputs built under {out}; starting Ray and `trinity run`", flush=True)
-    site = [
-        str(REPO / "scripts" / "harness" / "ray_site"),
-        str(REPO),
-        os.environ.get("PYTHONPATH", ""),
-    ]
-    worker_env = {STAND_INS_ENV: "1", CALL_LOG_ENV: str(out / "calls"), **PINNED_NUMERICS}
-    worker_env.update(PYTHONPATH=os.pathsep.join(filter(None, site)), OMP_NUM_THREADS="1")
-    head = start_ray(out / "ray", RANKS, worker_env)
-    try:
-        env = {**head.env, **PINNED_NUMERICS, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-        code, logged = run_trinity(config_path, env, out / "trinity.log", args.steps, args.timeout)
-    finally:
-        stop_ray(head)
+    config_path = write_config(out, steps, sync)
+    fill_buffer(config_path, steps)
+    return config_path
+
+
+def worker_env(out: Path) -> Dict[str, str]:
+    """What Ray's worker processes get: the stand-ins on, where to record, our sitecustomize."""
+    site = [REPO / "scripts" / "harness" / "ray_site", REPO, os.environ.get("PYTHONPATH", "")]
+    env = {STAND_INS_ENV: "1", CALL_LOG_ENV: str(out / "calls"), **PINNED_NUMERICS}
+    env.update(PYTHONPATH=os.pathsep.join(str(p) for p in site if p), OMP_NUM_THREADS="1")
+    return env
+
+
+def report(out: Path, requested: int, sync: bool, code: int, logged: dict) -> dict:
+    """The JSON line: steps, pairs and rho as Trinity logged them, the ranks' own agreement."""
     steps = sorted(logged)
-    report = dict(
-        requested_steps=args.steps,
+    return dict(
+        requested_steps=requested,
         steps=steps,
         clip_pairs=[[logged[s].get(k) for k in PAIR_KEYS[:2]] for s in steps],
         rho=[logged[s].get(PAIR_KEYS[2]) for s in steps],
         sync_across_dp=sync,
         **agreement(rank_calls(out / "calls")),
-        checkpoint=checkpoint(out, run_name(sync), args.steps),
+        checkpoint=checkpoint(out, run_name(sync), requested),
         trinity_exit=code,
-        seconds=round(time.monotonic() - started, 1),
         log=str(out / "trinity.log"),
     )
-    print(json.dumps(report), flush=True)
-    complete = steps == list(range(1, args.steps + 1)) and report["checkpoint"] and code == 0
-    return 0 if complete and (report["ranks_agree"] or not sync) else 1
+
+
+def exit_code(result: dict) -> int:
+    """0 where the run is whole, else 1: ``trinity run`` exits 0 even when a step failed.
+
+    Whole: every requested step logged, the last step's checkpoint saved, ``trinity run`` ended
+    with 0, and, where the sync is on, the ranks chose the same pair at every call.
+    """
+    complete = result["steps"] == list(range(1, result["requested_steps"] + 1))
+    ended = complete and bool(result["checkpoint"]) and result["trinity_exit"] == 0
+    return 0 if ended and (result["ranks_agree"] or not result["sync_across_dp"]) else 1
+
+
+def main(argv=None) -> int:
+    """Build, start Ray, run ``trinity run``, stop Ray, report."""
+    args = parse_args(argv)
+    started, out, sync = time.monotonic(), args.out.resolve(), not args.no_sync
+    config_path = prepare(out, args.steps, sync)
+    print(f"inputs built under {out}; starting Ray and `trinity run`", flush=True)
+    head = start_ray(out / "ray", RANKS, worker_env(out))
+    try:
+        env = {**head.env, **PINNED_NUMERICS, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+        code, logged = run_trinity(config_path, env, out / "trinity.log", args.steps, args.timeout)
+    finally:
+        stop_ray(head)
+    result = report(out, args.steps, sync, code, logged)
+    result["seconds"] = round(time.monotonic() - started, 1)
+    print(json.dumps(result), flush=True)
+    return exit_code(result)
 
 
 if __name__ == "__main__":

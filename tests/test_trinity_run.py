@@ -20,6 +20,7 @@ import yaml
 
 from scripts.harness.launch import REPO, tail
 from scripts.harness.ray_local import ray_processes
+from scripts.trinity_run import agreement, exit_code, numbers
 
 STEPS = 2
 OUT = REPO / "runs" / "test-trinity-run"
@@ -61,7 +62,7 @@ def run():
         report=json.loads(lines[-1]),
         progress=lines[:-1],
         ray_home_unchanged=snapshot(ray_home) == before,
-        git_status_unchanged=git_status() == status,
+        git_status_new=sorted(git_status() - status),
         left_running=ray_processes(OUT / "ray"),
         seconds=seconds,
     )
@@ -129,5 +130,97 @@ def test_the_run_trained_the_examples_algorithm_and_trainer_settings(run):
 def test_nothing_left_running_or_written_outside_runs(run):
     assert run["left_running"] == []
     assert run["ray_home_unchanged"], "the run wrote under ~/.ray"
-    assert run["git_status_unchanged"], "the run wrote into the checkout outside runs/"
+    assert run["git_status_new"] == [], "the run wrote into the checkout outside runs/"
     print(f"trinity-run test launch: {run['seconds']:.0f} s")
+
+
+def test_step_lines_are_read_as_trinitys_monitor_writes_them():
+    from trinity.utils.monitor import Monitor
+
+    data = {"actor/bapo_clip_low": 0.62, "actor/bapo_positive_contribution": math.nan}
+    data.update({"actor/pg_loss": -1.234567891, "time/step": 3, "name": "bapo, run {1}"})
+    line = Monitor.format_data_str(None, data, 7)  # self unused: the format alone
+    found = re.search(r"Step 7: (\{.*\})", line)
+    assert found, line
+    read = numbers(found.group(1))
+    assert set(read) == {
+        "actor/bapo_clip_low",
+        "actor/bapo_positive_contribution",
+        "actor/pg_loss",
+        "time/step",
+    }
+    assert read["actor/bapo_clip_low"] == 0.62 and math.isnan(
+        read["actor/bapo_positive_contribution"]
+    )
+    assert read["actor/pg_loss"] == -1.23457 and read["time/step"] == 3.0  # 6 significant digits
+
+
+def call(low, high, group=(0, 1)):
+    """One recorded loss call with the pair (low, high)."""
+    return {"group_ranks": list(group), "metrics": {"bapo_clip_low": low, "bapo_clip_high": high}}
+
+
+def test_agreement_counts_the_calls_where_ranks_chose_apart():
+    same = agreement([[call(0.6, 1.2), call(0.7, 3.0)], [call(0.6, 1.2), call(0.7, 3.0)]])
+    assert same == dict(calls_per_rank=[2, 2], ranks_agree=True, calls_apart=0, groups=[(0, 1)])
+    apart = agreement([[call(0.6, 1.2), call(0.7, 3.0)], [call(0.6, 1.25), call(0.7, 3.0)]])
+    assert (apart["ranks_agree"], apart["calls_apart"]) == (False, 1)
+    assert agreement([[call(0.6, 1.2)], [call(0.6, 1.2), call(0.6, 1.2)]])["ranks_agree"] is False
+    assert agreement([[], []])["ranks_agree"] is False
+
+
+WHOLE = dict(requested_steps=3, steps=[1, 2, 3], checkpoint="c", trinity_exit=0)
+WHOLE.update(ranks_agree=True, sync_across_dp=True)
+
+
+@pytest.mark.parametrize(
+    "change, code",
+    [
+        ({}, 0),
+        ({"steps": [1, 2]}, 1),  # trinity run exited 0, a step is missing
+        ({"steps": [1, 3]}, 1),
+        ({"checkpoint": ""}, 1),
+        ({"trinity_exit": -9}, 1),  # killed at the timeout
+        ({"ranks_agree": False}, 1),
+        ({"ranks_agree": False, "sync_across_dp": False}, 0),  # the control may disagree
+    ],
+)
+def test_exit_code_is_1_unless_the_run_is_whole(change, code):
+    assert exit_code({**WHOLE, **change}) == code
+
+
+def test_stand_ins_are_inert_unless_the_launcher_turns_them_on(monkeypatch):
+    from scripts.harness import cpu
+
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    before = list(sys.meta_path)
+    for off in (None, "0", ""):
+        if off is None:
+            monkeypatch.delenv(cpu.STAND_INS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(cpu.STAND_INS_ENV, off)
+        cpu.install_from_env()
+        assert sys.meta_path == before
+    monkeypatch.setenv(cpu.STAND_INS_ENV, "1")
+    cpu.install_from_env()
+    hook = sys.meta_path[0]
+    assert isinstance(hook, cpu.AfterImport) and hook.name == cpu.WORKERS_MODULE
+    assert hook.then is cpu.ray_worker_stand_ins
+
+
+def test_the_hook_runs_once_after_its_module_has_executed(tmp_path, monkeypatch):
+    from scripts.harness.cpu import AfterImport
+
+    (tmp_path / "watched_by_the_hook.py").write_text("VALUE = 41\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    seen = []
+    sys.meta_path.insert(0, AfterImport("watched_by_the_hook", lambda: seen.append(module().VALUE)))
+
+    def module():
+        return sys.modules["watched_by_the_hook"]
+
+    import watched_by_the_hook  # noqa: F401
+
+    assert seen == [41] and not any(isinstance(f, AfterImport) for f in sys.meta_path)
+    monkeypatch.delitem(sys.modules, "watched_by_the_hook")

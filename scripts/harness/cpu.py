@@ -3,8 +3,9 @@
 One home for the tests, which call ``cpu_stand_ins`` in their own ranks, and for the Ray worker
 processes of ``make trinity-run``, where ``ray_site/sitecustomize.py`` calls ``install_from_env``:
 inert unless the launcher sets ``STAND_INS_ENV``, and then applied only once Trinity's verl
-workers module is imported (the processes of verl's ``WorkerDict`` ranks). Nothing here edits an
-installed file; each stand-in replaces one attribute in the running process.
+workers module is imported (in verl's ``WorkerDict`` ranks and the trainer that spawns them),
+so Ray's other processes import nothing more. Nothing here edits an installed file; each
+stand-in replaces one attribute in the running process.
 """
 
 import importlib.abc

@@ -2,9 +2,10 @@
 
 ``ray stop`` stops every Ray on the machine, so it is never called: the head runs as
 ``ray start --block`` in a process group of its own, and stopping it signals that group, then
-kills whatever process still names this Ray's folder (Ray's daemons and workers carry it in
-their command lines). ``RAY_AUTH_MODE=disabled`` and a HOME inside the folder keep Ray from
-writing a token under the user's ``~/.ray``.
+kills every process whose environment holds this Ray's mark. Every process of this Ray inherits
+it, also the workers, which rename themselves (``ray::WorkerDict``) and leave the group.
+``RAY_AUTH_MODE=disabled`` and a HOME inside the folder keep Ray from writing a token under the
+user's ``~/.ray``; every port is one found free, so that two runs can share a machine.
 """
 
 import os
@@ -17,14 +18,16 @@ from pathlib import Path
 from typing import Dict, List, NamedTuple
 
 RAY = str(Path(sys.executable).parent / "ray")
+MARK_ENV = "BAPO_RAY_FOLDER"  # the folder of the Ray a process belongs to
+PORTS = ["dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port"]
+PORTS += ["metrics-export-port", "ray-client-server-port", "runtime-env-agent-port"]
 
 
 class RayHead(NamedTuple):
-    """A running head: its process, its folder, its address and the environment to reach it."""
+    """A running head: its process, its folder and the environment that reaches it."""
 
     proc: subprocess.Popen
     folder: Path
-    address: str
     env: Dict[str, str]
 
 
@@ -45,20 +48,16 @@ def start_ray(folder: Path, gpus: int, worker_env: Dict[str, str], timeout_s=120
     (folder / "home").mkdir(exist_ok=True)
     port = free_port()
     env = {**os.environ, "HOME": str(folder / "home"), "RAY_AUTH_MODE": "disabled"}
+    env[MARK_ENV] = str(folder.resolve())
     env.update(RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS=f"127.0.0.1:{port}")
     cmd = [RAY, "start", "--head", "--block", f"--port={port}", f"--num-gpus={gpus}"]
     cmd += ["--num-cpus=8", f"--temp-dir={folder / 'tmp'}", "--include-dashboard=false"]
-    for option in (
-        "dashboard-agent-listen-port",
-        "dashboard-agent-grpc-port",
-        "metrics-export-port",
-    ):
-        cmd.append(f"--{option}={free_port()}")
-    log = open(folder / "ray-start.log", "w")
-    proc = subprocess.Popen(
-        cmd, env={**env, **worker_env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    head = RayHead(proc, folder, env["RAY_ADDRESS"], env)
+    cmd += [f"--{option}={free_port()}" for option in PORTS]
+    with open(folder / "ray-start.log", "w") as log:
+        proc = subprocess.Popen(
+            cmd, env={**env, **worker_env}, stdout=log, stderr=log, start_new_session=True
+        )
+    head = RayHead(proc, folder, env)
     deadline = time.monotonic() + timeout_s
     while subprocess.run([RAY, "status"], env=env, capture_output=True).returncode != 0:
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -69,15 +68,15 @@ def start_ray(folder: Path, gpus: int, worker_env: Dict[str, str], timeout_s=120
 
 
 def ray_processes(folder: Path) -> List[int]:
-    """The pids of live processes whose command line names ``folder`` (this Ray's, and only)."""
-    mark, found = str(folder.resolve()).encode(), []
+    """The pids of live processes of the Ray under ``folder`` (by their environment's mark)."""
+    mark, found = f"\0{MARK_ENV}={folder.resolve()}\0".encode(), []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and mark in (entry / "cmdline").read_bytes():
+            if entry.name.isdigit() and mark in b"\0" + (entry / "environ").read_bytes():
                 found.append(int(entry.name))
         except OSError:  # gone meanwhile, or not ours to read
             continue
-    return [pid for pid in found if pid != os.getpid()]
+    return found
 
 
 def stop_ray(head: RayHead, grace_s: float = 20) -> None:
@@ -87,9 +86,14 @@ def stop_ray(head: RayHead, grace_s: float = 20) -> None:
         head.proc.wait(timeout=grace_s)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         pass
-    for pid in ray_processes(head.folder):
+    kill_ray(head.folder)
+    head.proc.wait()
+
+
+def kill_ray(folder: Path) -> None:
+    """Kill every live process of the Ray under ``folder``, also one a killed launcher left."""
+    for pid in ray_processes(folder):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    head.proc.wait()
