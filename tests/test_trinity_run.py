@@ -12,6 +12,7 @@ import math
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,10 +45,15 @@ def git_status() -> str:
     return done.stdout
 
 
+def ray_links() -> set:
+    """The folders of the short links to Ray's temp dirs now in the system's temp dir."""
+    return set(Path(tempfile.gettempdir()).glob("bapo-ray-*"))
+
+
 @pytest.fixture(scope="module")
 def run():
     """The launch, its JSON report, and what it left behind."""
-    ray_home, status = Path.home() / ".ray", git_status()
+    ray_home, status, links = Path.home() / ".ray", git_status(), ray_links()
     before, started = snapshot(ray_home), time.monotonic()
     cmd = [sys.executable, "-m", "scripts.trinity_run", "--steps", STEPS, "--out", OUT]
     done = subprocess.run(
@@ -63,6 +69,7 @@ def run():
         progress=lines[:-1],
         ray_home_unchanged=snapshot(ray_home) == before,
         git_status_new=sorted(git_status() - status),
+        links_left=sorted(ray_links() - links),
         left_running=ray_processes(OUT / "ray"),
         seconds=seconds,
     )
@@ -131,6 +138,7 @@ def test_nothing_left_running_or_written_outside_runs(run):
     assert run["left_running"] == []
     assert run["ray_home_unchanged"], "the run wrote under ~/.ray"
     assert run["git_status_new"] == [], "the run wrote into the checkout outside runs/"
+    assert run["links_left"] == [], "the short link to Ray's temp dir is left"
     print(f"trinity-run test launch: {run['seconds']:.0f} s")
 
 

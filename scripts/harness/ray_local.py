@@ -5,14 +5,18 @@
 kills every process whose environment holds this Ray's mark. Every process of this Ray inherits
 it, also the workers, which rename themselves (``ray::WorkerDict``) and leave the group.
 ``RAY_AUTH_MODE=disabled`` and a HOME inside the folder keep Ray from writing a token under the
-user's ``~/.ray``; every port is one found free, so that two runs can share a machine.
+user's ``~/.ray``; every port is one found free, so that two runs can share a machine. Ray's
+socket paths must fit in 107 bytes, so its temp dir is named by a short link in the system's
+temp dir; the files stay in the folder, and the link goes when Ray stops.
 """
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, NamedTuple
@@ -24,11 +28,12 @@ PORTS += ["metrics-export-port", "ray-client-server-port", "runtime-env-agent-po
 
 
 class RayHead(NamedTuple):
-    """A running head: its process, its folder and the environment that reaches it."""
+    """A running head: its process, its folder, the environment that reaches it, its link's dir."""
 
     proc: subprocess.Popen
     folder: Path
     env: Dict[str, str]
+    link_dir: Path
 
 
 def free_port() -> int:
@@ -44,20 +49,22 @@ def start_ray(folder: Path, gpus: int, worker_env: Dict[str, str], timeout_s=120
     Returns once ``ray status`` answers at the head's address. Workers inherit the environment
     of ``ray start``, so ``worker_env`` is given to it and not to the driver.
     """
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "home").mkdir(exist_ok=True)
+    for part in ("home", "tmp"):
+        (folder / part).mkdir(parents=True, exist_ok=True)
+    link_dir = Path(tempfile.mkdtemp(prefix="bapo-ray-"))
+    (link_dir / "tmp").symlink_to(folder.resolve() / "tmp")
     port = free_port()
     env = {**os.environ, "HOME": str(folder / "home"), "RAY_AUTH_MODE": "disabled"}
     env[MARK_ENV] = str(folder.resolve())
     env.update(RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS=f"127.0.0.1:{port}")
     cmd = [RAY, "start", "--head", "--block", f"--port={port}", f"--num-gpus={gpus}"]
-    cmd += ["--num-cpus=8", f"--temp-dir={folder / 'tmp'}", "--include-dashboard=false"]
+    cmd += ["--num-cpus=8", f"--temp-dir={link_dir / 'tmp'}", "--include-dashboard=false"]
     cmd += [f"--{option}={free_port()}" for option in PORTS]
     with open(folder / "ray-start.log", "w") as log:
         proc = subprocess.Popen(
             cmd, env={**env, **worker_env}, stdout=log, stderr=log, start_new_session=True
         )
-    head = RayHead(proc, folder, env)
+    head = RayHead(proc, folder, env, link_dir)
     deadline = time.monotonic() + timeout_s
     while subprocess.run([RAY, "status"], env=env, capture_output=True).returncode != 0:
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -88,6 +95,7 @@ def stop_ray(head: RayHead, grace_s: float = 20) -> None:
         pass
     kill_ray(head.folder)
     head.proc.wait()
+    shutil.rmtree(head.link_dir)  # the link alone: rmtree does not follow it
 
 
 def kill_ray(folder: Path) -> None:
