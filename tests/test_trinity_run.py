@@ -37,12 +37,10 @@ def snapshot(folder: Path):
     return sorted((str(p), p.stat().st_mtime_ns) for p in folder.rglob("*"))
 
 
-def git_status() -> str:
-    """``git status --porcelain`` of the checkout (ignored files, such as runs/, not listed)."""
-    done = subprocess.run(
-        ["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True
-    )
-    return done.stdout
+def git_status() -> set:
+    """The lines of ``git status --porcelain`` (ignored files, such as runs/, not listed)."""
+    cmd = ["git", "status", "--porcelain", "--untracked-files=all"]
+    return set(subprocess.run(cmd, cwd=REPO, capture_output=True, text=True).stdout.splitlines())
 
 
 def ray_links() -> set:
