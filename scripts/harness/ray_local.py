@@ -57,6 +57,7 @@ def start_ray(folder: Path, gpus: int, worker_env: Dict[str, str], timeout_s=120
     env = {**os.environ, "HOME": str(folder / "home"), "RAY_AUTH_MODE": "disabled"}
     env[MARK_ENV] = str(folder.resolve())
     env.update(RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS=f"127.0.0.1:{port}")
+    env["RAY_prestart_worker_first_driver"] = "0"  # no idle workers started ahead, each a Python
     cmd = [RAY, "start", "--head", "--block", f"--port={port}", f"--num-gpus={gpus}"]
     cmd += ["--num-cpus=8", f"--temp-dir={link_dir / 'tmp'}", "--include-dashboard=false"]
     cmd += [f"--{option}={free_port()}" for option in PORTS]
