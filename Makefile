@@ -8,8 +8,9 @@ DEMO_ARGS ?=
 BENCH_ARGS ?=
 EXPERIMENT_ARGS ?=
 SENSITIVITY_ARGS ?=
+TRINITY_RUN_ARGS ?=
 
-.PHONY: setup test lint pr demo bench experiment sensitivity dp-check unpatch clean
+.PHONY: setup test lint pr demo trinity-run bench experiment sensitivity dp-check unpatch clean
 
 # Installing the pins is slow, so it is stamped. Applying the patch series and copying our
 # modules into trinity-rft is a cheap hash check and runs every time, so an edit under trinity/
@@ -43,6 +44,11 @@ pr: setup
 
 demo: setup
 	$(PYTHON) -m scripts.experiment demo $(DEMO_ARGS)
+
+# Trinity's own `trinity run --config` trains BAPO for a few steps on 2 CPU ranks, on a Ray of its
+# own under runs/ (TRINITY_RUN_ARGS="--steps 5" or --no-sync, with which the ranks choose apart).
+trinity-run: setup
+	$(PYTHON) -m scripts.trinity_run $(TRINITY_RUN_ARGS)
 
 bench: setup
 	$(PYTHON) -m scripts.bench $(BENCH_ARGS)

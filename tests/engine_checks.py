@@ -21,13 +21,8 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from scripts.harness.engine import (
-    build_engine,
-    engine_batch,
-    full_state_dict,
-    trinity_layout,
-    use_torch_unpad_input,
-)
+from scripts.harness.cpu import cpu_stand_ins
+from scripts.harness.engine import build_engine, engine_batch, full_state_dict, trinity_layout
 from scripts.harness.model import build_model, position_ids_for, save_model
 from scripts.harness.recorder import LossRecorder
 from scripts.harness.tasks import VOCAB_SIZE
@@ -50,30 +45,6 @@ GRAD_PHASES = ("sync", "authors", "nosync", "muted")  # phases whose gradients `
 BATCH, WIDTH = 8, 6  # sequences per data-parallel rank and step; prompt and response width
 # Share of positive sequences per data-parallel rank: apart, so that alone they choose apart.
 POSITIVE_SHARE = (0.75, 0.15, 0.5, 0.3)
-
-
-def cpu_stand_ins(fsdp1: bool = False, worker: bool = False) -> None:
-    """What a CPU-only machine lacks, and only that (docs/testing.md lists each stand-in).
-
-    ``fsdp1``: FSDP1's check of CPU module states is skipped (gloo broadcasts them fine);
-    ``worker``: Trinity's actor worker builds the engine, and the model, on CPU.
-    """
-    if not hasattr(torch.cpu, "empty_cache"):
-        torch.cpu.empty_cache = lambda: None  # type: ignore[attr-defined]
-    if fsdp1:
-        from torch.distributed.fsdp import _init_utils
-
-        _init_utils._check_module_states_for_sync_module_states = lambda module_states: None
-    if worker:
-        from verl.workers.engine import EngineRegistry
-        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-
-        EngineRegistry.register("language_model", ["fsdp", "fsdp2"], "cpu")(FSDPEngineWithLMHead)
-        for name in ("max_memory_allocated", "max_memory_reserved", "memory_allocated"):
-            setattr(torch.cpu, name, lambda *args, **kwargs: 0)
-        torch.cpu.memory_reserved = lambda *args, **kwargs: 0  # type: ignore[attr-defined]
-        torch.cuda.get_device_capability = lambda *args, **kwargs: (0, 0)
-        use_torch_unpad_input()
 
 
 def rank_batch(dp_rank: int, step: int) -> TensorDict:

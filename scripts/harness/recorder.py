@@ -1,15 +1,25 @@
 """The one loss recorder: each call goes to the real loss unchanged, and is noted."""
 
+import json
+from pathlib import Path
+from typing import Optional
+
 import torch.distributed as dist
 
 
 class LossRecorder:
     """Records each policy-loss call, in the place of a ``TrinityPolicyLoss``'s policy loss."""
 
-    def __init__(self, trinity_loss, engine_group=None, keep_inputs: bool = False):
-        """Take the place of ``trinity_loss.policy_loss_fn``; ``engine_group`` is the expected."""
+    def __init__(
+        self, trinity_loss, engine_group=None, keep_inputs=False, log_dir: Optional[Path] = None
+    ):
+        """Take the place of ``trinity_loss.policy_loss_fn``; ``engine_group`` is the expected.
+
+        ``log_dir``: each call is also appended to ``rank<N>.jsonl`` there (N: the global rank),
+        for ranks whose recorder the caller cannot reach (a Ray actor's).
+        """
         self._inner, self.engine_group = trinity_loss.policy_loss_fn, engine_group
-        self.keep_inputs, self.calls = keep_inputs, list[dict]()
+        self.keep_inputs, self.log_dir, self.calls = keep_inputs, log_dir, list[dict]()
         trinity_loss.policy_loss_fn = self
 
     def __getattr__(self, name):
@@ -22,6 +32,9 @@ class LossRecorder:
         ranks = None if dp_group is None else dist.get_process_group_ranks(dp_group)
         call = {"group_ranks": ranks, "is_engine_group": dp_group is self.engine_group}
         call["metrics"] = {key: float(value) for key, value in metrics.items()}
+        if self.log_dir is not None:
+            with open(self.log_dir / f"rank{dist.get_rank()}.jsonl", "a") as log:
+                log.write(json.dumps(call) + "\n")
         if self.keep_inputs:
             inputs = dict(logprob=logprob.detach().clone(), old_logprob=kwargs["old_log_probs"])
             inputs.update(advantages=kwargs["advantages"], mask=kwargs["response_mask"].long())

@@ -1,0 +1,108 @@
+"""A Ray of one's own on this machine: its own folder, ports and HOME, and stopped exactly.
+
+``ray stop`` stops every Ray on the machine, so it is never called: the head runs as
+``ray start --block`` in a process group of its own, and stopping it signals that group, then
+kills every process whose environment holds this Ray's mark. Every process of this Ray inherits
+it, also the workers, which rename themselves (``ray::WorkerDict``) and leave the group.
+``RAY_AUTH_MODE=disabled`` and a HOME inside the folder keep Ray from writing a token under the
+user's ``~/.ray``; every port is one found free, so that two runs can share a machine. Ray's
+socket paths must fit in 107 bytes, so its temp dir is named by a short link in the system's
+temp dir; the files stay in the folder, and the link goes when Ray stops.
+"""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, NamedTuple
+
+RAY = str(Path(sys.executable).parent / "ray")
+MARK_ENV = "BAPO_RAY_FOLDER"  # the folder of the Ray a process belongs to
+PORTS = ["dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port"]
+PORTS += ["metrics-export-port", "ray-client-server-port", "runtime-env-agent-port"]
+
+
+class RayHead(NamedTuple):
+    """A running head: its process, its folder, the environment that reaches it, its link's dir."""
+
+    proc: subprocess.Popen
+    folder: Path
+    env: Dict[str, str]
+    link_dir: Path
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_ray(folder: Path, gpus: int, worker_env: Dict[str, str], timeout_s=120) -> RayHead:
+    """Start a head under ``folder`` declaring ``gpus`` GPU slots; ``worker_env`` reaches workers.
+
+    Returns once ``ray status`` answers at the head's address. Workers inherit the environment
+    of ``ray start``, so ``worker_env`` is given to it and not to the driver.
+    """
+    for part in ("home", "tmp"):
+        (folder / part).mkdir(parents=True, exist_ok=True)
+    link_dir = Path(tempfile.mkdtemp(prefix="bapo-ray-"))
+    (link_dir / "tmp").symlink_to(folder.resolve() / "tmp")
+    port = free_port()
+    env = {**os.environ, "HOME": str(folder / "home"), "RAY_AUTH_MODE": "disabled"}
+    env[MARK_ENV] = str(folder.resolve())
+    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS=f"127.0.0.1:{port}")
+    env["RAY_prestart_worker_first_driver"] = "0"  # no idle workers started ahead, each a Python
+    cmd = [RAY, "start", "--head", "--block", f"--port={port}", f"--num-gpus={gpus}"]
+    cmd += ["--num-cpus=8", f"--temp-dir={link_dir / 'tmp'}", "--include-dashboard=false"]
+    cmd += [f"--{option}={free_port()}" for option in PORTS]
+    with open(folder / "ray-start.log", "w") as log:
+        proc = subprocess.Popen(
+            cmd, env={**env, **worker_env}, stdout=log, stderr=log, start_new_session=True
+        )
+    head = RayHead(proc, folder, env, link_dir)
+    deadline = time.monotonic() + timeout_s
+    while subprocess.run([RAY, "status"], env=env, capture_output=True).returncode != 0:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_ray(head)
+            raise RuntimeError(f"Ray did not start; see {folder / 'ray-start.log'}")
+        time.sleep(1)
+    return head
+
+
+def ray_processes(folder: Path) -> List[int]:
+    """The pids of live processes of the Ray under ``folder`` (by their environment's mark)."""
+    mark, found = f"\0{MARK_ENV}={folder.resolve()}\0".encode(), []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and mark in b"\0" + (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def stop_ray(head: RayHead, grace_s: float = 20) -> None:
+    """Stop this head and every process of its Ray; no other Ray on the machine is touched."""
+    try:
+        os.killpg(head.proc.pid, signal.SIGTERM)
+        head.proc.wait(timeout=grace_s)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    kill_ray(head.folder)
+    head.proc.wait()
+    shutil.rmtree(head.link_dir)  # the link alone: rmtree does not follow it
+
+
+def kill_ray(folder: Path) -> None:
+    """Kill every live process of the Ray under ``folder``, also one a killed launcher left."""
+    for pid in ray_processes(folder):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,197 @@
+"""``make trinity-run``: Trinity's own ``trinity run --config`` trains BAPO on 2 CPU ranks.
+
+The model, the buffer of stale GRPO groups and the config (the example with a CPU's settings
+over it) are built under ``--out`` from code (``scripts/harness/trinity_inputs.py``). Trinity
+trains on a Ray of its own (``scripts/harness/ray_local.py``), whose worker processes take the
+CPU stand-ins (``scripts/harness/cpu.py``) and record each rank's loss calls.
+
+``trinity run`` exits 0 even when training fails, so success is read from what it logged: one
+``Step N:`` line per requested step. Prints a line per step, then one JSON line; exits 1 when a
+step or the checkpoint is missing, or when the ranks chose apart with the sync on.
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List
+
+from scripts.harness.cpu import CALL_LOG_ENV, STAND_INS_ENV
+from scripts.harness.launch import PINNED_NUMERICS, REPO
+from scripts.harness.ray_local import kill_ray, start_ray, stop_ray
+from scripts.harness.trinity_inputs import RANKS, build_model, fill_buffer, run_name, write_config
+
+STEP_LINE = re.compile(r"Step (\d+): (\{.*\})")
+METRIC = re.compile(r"'([^']+)': ([^,}]+)")
+PAIR_KEYS = ("actor/bapo_clip_low", "actor/bapo_clip_high", "actor/bapo_positive_contribution")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3, help="training steps (16 sequences each)")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "trinity-run")
+    parser.add_argument(
+        "--no-sync", action="store_true", help="sync_across_dp: false (the ranks may disagree)"
+    )
+    parser.add_argument("--timeout", type=float, default=600, help="seconds for `trinity run`")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
+    return args
+
+
+def run_trinity(config_path: Path, env: Dict[str, str], log_path: Path, steps: int, timeout_s):
+    """``trinity run``, a progress line per ``Step N:`` it logs; (exit code, metrics per step)."""
+    trinity = str(Path(sys.executable).parent / "trinity")
+    logged: Dict[int, Dict[str, float]] = {}
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [trinity, "run", "--config", str(config_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        kill = threading.Timer(timeout_s, os.killpg, (proc.pid, signal.SIGKILL))
+        kill.start()
+        try:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                log.write(line)
+                found = STEP_LINE.search(line)
+                if found:
+                    step = int(found.group(1))
+                    logged[step] = numbers(found.group(2))
+                    low, high, rho = (logged[step].get(key, math.nan) for key in PAIR_KEYS)
+                    seconds = time.monotonic() - started
+                    print(
+                        f"step {step}/{steps}: clip ({low:.3f}, {high:.3f}), rho {rho:.3f}, "
+                        f"{seconds:.0f} s into trinity run",
+                        flush=True,
+                    )
+        finally:
+            kill.cancel()
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return proc.wait(), logged
+
+
+def numbers(logged: str) -> Dict[str, float]:
+    """The numeric entries of a logged ``{'name': value, ...}``."""
+    found = {}
+    for key, value in METRIC.findall(logged):
+        try:
+            found[key] = float(value)
+        except ValueError:  # a string entry
+            continue
+    return found
+
+
+def rank_calls(folder: Path) -> List[List[dict]]:
+    """Each trainer rank's loss calls, in order, as its recorder wrote them."""
+    paths = [folder / f"rank{rank}.jsonl" for rank in range(RANKS)]
+    return [
+        [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+        for p in paths
+    ]
+
+
+def agreement(calls: List[List[dict]]) -> dict:
+    """Whether every rank chose the same pair at every call, and the groups the loss received."""
+    pairs = [
+        [tuple(c["metrics"][k.split("/")[1]] for k in PAIR_KEYS[:2]) for c in rank]
+        for rank in calls
+    ]
+    same_count = len({len(p) for p in pairs}) == 1 and len(pairs[0]) > 0
+    apart = sum(len(set(at)) > 1 for at in zip(*pairs))
+    groups = sorted({tuple(c["group_ranks"] or ()) for rank in calls for c in rank})
+    return dict(
+        calls_per_rank=[len(p) for p in pairs],
+        ranks_agree=same_count and apart == 0,
+        calls_apart=apart,
+        groups=groups,
+    )
+
+
+def checkpoint(out: Path, name: str, steps: int) -> str:
+    """The folder of the last step's actor checkpoint, or "" where Trinity saved none."""
+    found = sorted((out / "checkpoints").glob(f"*/{name}/global_step_{steps}/actor"))
+    return str(found[0].relative_to(out)) if found and any(found[0].iterdir()) else ""
+
+
+def prepare(out: Path, steps: int, sync: bool) -> Path:
+    """The run's folder, emptied, with the model, the config and the filled buffer; the config."""
+    kill_ray(out / "ray")  # a run owns its folder: no Ray, buffer or checkpoint is reused
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "calls").mkdir(parents=True)
+    build_model(out / "model")
+    config_path = write_config(out, steps, sync)
+    fill_buffer(config_path, steps)
+    return config_path
+
+
+def worker_env(out: Path) -> Dict[str, str]:
+    """What Ray's worker processes get: the stand-ins on, where to record, our sitecustomize."""
+    site = [REPO / "scripts" / "harness" / "ray_site", REPO, os.environ.get("PYTHONPATH", "")]
+    env = {STAND_INS_ENV: "1", CALL_LOG_ENV: str(out / "calls"), **PINNED_NUMERICS}
+    env.update(PYTHONPATH=os.pathsep.join(str(p) for p in site if p), OMP_NUM_THREADS="1")
+    return env
+
+
+def report(out: Path, requested: int, sync: bool, code: int, logged: dict) -> dict:
+    """The JSON line: steps, pairs and rho as Trinity logged them, the ranks' own agreement."""
+    steps = sorted(logged)
+    return dict(
+        requested_steps=requested,
+        steps=steps,
+        clip_pairs=[[logged[s].get(k) for k in PAIR_KEYS[:2]] for s in steps],
+        rho=[logged[s].get(PAIR_KEYS[2]) for s in steps],
+        sync_across_dp=sync,
+        **agreement(rank_calls(out / "calls")),
+        checkpoint=checkpoint(out, run_name(sync), requested),
+        trinity_exit=code,
+        log=str(out / "trinity.log"),
+    )
+
+
+def exit_code(result: dict) -> int:
+    """0 where the run is whole, else 1: ``trinity run`` exits 0 even when a step failed.
+
+    Whole: every requested step logged, the last step's checkpoint saved, ``trinity run`` ended
+    with 0, and, where the sync is on, the ranks chose the same pair at every call.
+    """
+    complete = result["steps"] == list(range(1, result["requested_steps"] + 1))
+    ended = complete and bool(result["checkpoint"]) and result["trinity_exit"] == 0
+    return 0 if ended and (result["ranks_agree"] or not result["sync_across_dp"]) else 1
+
+
+def main(argv=None) -> int:
+    """Build, start Ray, run ``trinity run``, stop Ray, report."""
+    args = parse_args(argv)
+    started, out, sync = time.monotonic(), args.out.resolve(), not args.no_sync
+    config_path = prepare(out, args.steps, sync)
+    print(f"inputs built under {out}; starting Ray and `trinity run`", flush=True)
+    head = start_ray(out / "ray", RANKS, worker_env(out))
+    try:
+        env = {**head.env, **PINNED_NUMERICS, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+        code, logged = run_trinity(config_path, env, out / "trinity.log", args.steps, args.timeout)
+    finally:
+        stop_ray(head)
+    result = report(out, args.steps, sync, code, logged)
+    result["seconds"] = round(time.monotonic() - started, 1)
+    print(json.dumps(result), flush=True)
+    return exit_code(result)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Trinity's own ``trinity run --config`` trains BAPO on 2 data-parallel CPU ranks under Ray.
+
+One launch of ``scripts/trinity_run.py`` for 2 steps, as ``make trinity-run`` runs it: the CLI,
+config loading and validation, the sqlite buffer, Ray, the trainer, verl's worker ranks, the
+engine, ``TrinityPolicyLoss`` with its group, and the checkpoint. The steps and metrics are read
+from what Trinity logged, the agreement from each rank's own record of its loss calls; then
+nothing of that Ray may be left running, and nothing written outside ``runs/``.
+"""
+
+import json
+import math
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from scripts.harness.launch import REPO, tail
+from scripts.harness.ray_local import ray_processes
+from scripts.trinity_run import agreement, exit_code, numbers
+
+STEPS = 2
+OUT = REPO / "runs" / "test-trinity-run"
+EXAMPLE = REPO / "examples" / "bapo_gsm8k" / "gsm8k.yaml"
+BAPO_METRICS = ["clip_low", "clip_high", "positive_contribution", "target_met", "search_steps"]
+START, FAR = (0.6, 1.2), (0.9, 3.0)  # the paper's start pair and its grid's last pair
+
+
+def snapshot(folder: Path):
+    """Every path under ``folder`` with its modification time (None where there is no folder)."""
+    if not folder.exists():
+        return None
+    return sorted((str(p), p.stat().st_mtime_ns) for p in folder.rglob("*"))
+
+
+def git_status() -> set:
+    """The lines of ``git status --porcelain`` (ignored files, such as runs/, not listed)."""
+    cmd = ["git", "status", "--porcelain", "--untracked-files=all"]
+    return set(subprocess.run(cmd, cwd=REPO, capture_output=True, text=True).stdout.splitlines())
+
+
+def ray_links() -> set:
+    """The folders of the short links to Ray's temp dirs now in the system's temp dir."""
+    return set(Path(tempfile.gettempdir()).glob("bapo-ray-*"))
+
+
+@pytest.fixture(scope="module")
+def run():
+    """The launch, its JSON report, and what it left behind."""
+    ray_home, status, links = Path.home() / ".ray", git_status(), ray_links()
+    before, started = snapshot(ray_home), time.monotonic()
+    cmd = [sys.executable, "-m", "scripts.trinity_run", "--steps", STEPS, "--out", OUT]
+    done = subprocess.run(
+        list(map(str, cmd)), cwd=REPO, capture_output=True, text=True, timeout=900
+    )
+    seconds = time.monotonic() - started
+    lines = done.stdout.strip().splitlines()
+    assert (
+        done.returncode == 0 and lines
+    ), f"exit {done.returncode}\n{tail(done.stdout + done.stderr)}"
+    return dict(
+        report=json.loads(lines[-1]),
+        progress=lines[:-1],
+        ray_home_unchanged=snapshot(ray_home) == before,
+        git_status_new=sorted(git_status() - status),
+        links_left=sorted(ray_links() - links),
+        left_running=ray_processes(OUT / "ray"),
+        seconds=seconds,
+    )
+
+
+def logged_steps() -> dict:
+    """Trinity's ``Step N: {...}`` lines in the run's log, read apart from the launcher."""
+    steps = {}
+    for line in (OUT / "trinity.log").read_text().splitlines():
+        found = re.search(r"Step (\d+): \{(.*)\}", line)
+        if found:
+            pairs = re.findall(r"'([^']+)': (nan|[-+0-9.e]+)", found.group(2))
+            steps[int(found.group(1))] = {key: float(value) for key, value in pairs}
+    return steps
+
+
+def rank_records() -> list:
+    """Each rank's loss calls, as the recorder in its Ray worker appended them."""
+    return [
+        [json.loads(line) for line in (OUT / "calls" / f"rank{r}.jsonl").read_text().splitlines()]
+        for r in range(2)
+    ]
+
+
+def test_every_step_trained_and_logged_with_bapo_metrics(run):
+    steps = logged_steps()
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    assert len(run["progress"]) >= STEPS and run["report"]["steps"] == sorted(steps)
+    for step, metrics in steps.items():
+        low, high = metrics["actor/bapo_clip_low"], metrics["actor/bapo_clip_high"]
+        assert all(f"actor/bapo_{name}" in metrics for name in BAPO_METRICS), sorted(metrics)
+        assert START[0] <= low <= FAR[0] and START[1] <= high <= FAR[1]
+        rho = metrics["actor/bapo_positive_contribution"]
+        assert 0.0 <= rho <= 1.0 and not math.isnan(metrics["actor/pg_loss"])
+        assert run["report"]["clip_pairs"][step - 1] == [low, high]
+        assert run["report"]["rho"][step - 1] == rho
+
+
+def test_both_ranks_received_the_group_and_chose_the_same_pair_at_every_call(run):
+    calls = rank_records()
+    assert len(calls[0]) == len(calls[1]) >= STEPS
+    pairs = [
+        [(c["metrics"]["bapo_clip_low"], c["metrics"]["bapo_clip_high"]) for c in r] for r in calls
+    ]
+    assert pairs[0] == pairs[1]
+    assert all(c["group_ranks"] == [0, 1] for rank in calls for c in rank)
+    assert any(pair != START for pair in pairs[0]), "the stale data never moved the search"
+    assert run["report"]["ranks_agree"] is True and run["report"]["sync_across_dp"] is True
+
+
+def test_the_last_step_is_saved(run):
+    saved = OUT / run["report"]["checkpoint"]
+    assert saved.name == "actor" and saved.parent.name == f"global_step_{STEPS}"
+    assert any(path.is_file() for path in saved.rglob("*"))
+
+
+def test_the_run_trained_the_examples_algorithm_and_trainer_settings(run):
+    example, used = (yaml.safe_load(p.read_text()) for p in (EXAMPLE, OUT / "config.yaml"))
+    assert used["mode"] == "train" and used["cluster"]["gpu_per_node"] == 2
+    assert used["algorithm"]["algorithm_type"] == example["algorithm"]["algorithm_type"] == "bapo"
+    for key in ("trainer_type", "grad_clip", "use_dynamic_bsz", "ulysses_sequence_parallel_size"):
+        assert used["trainer"][key] == example["trainer"][key]
+
+
+def test_nothing_left_running_or_written_outside_runs(run):
+    assert run["left_running"] == []
+    assert run["ray_home_unchanged"], "the run wrote under ~/.ray"
+    assert run["git_status_new"] == [], "the run wrote into the checkout outside runs/"
+    assert run["links_left"] == [], "the short link to Ray's temp dir is left"
+    print(f"trinity-run test launch: {run['seconds']:.0f} s")
+
+
+def test_step_lines_are_read_as_trinitys_monitor_writes_them():
+    from trinity.utils.monitor import Monitor
+
+    data = {"actor/bapo_clip_low": 0.62, "actor/bapo_positive_contribution": math.nan}
+    data.update({"actor/pg_loss": -1.234567891, "time/step": 3, "name": "bapo, run {1}"})
+    line = Monitor.format_data_str(None, data, 7)  # self unused: the format alone
+    found = re.search(r"Step 7: (\{.*\})", line)
+    assert found, line
+    read = numbers(found.group(1))
+    assert set(read) == {
+        "actor/bapo_clip_low",
+        "actor/bapo_positive_contribution",
+        "actor/pg_loss",
+        "time/step",
+    }
+    assert read["actor/bapo_clip_low"] == 0.62 and math.isnan(
+        read["actor/bapo_positive_contribution"]
+    )
+    assert read["actor/pg_loss"] == -1.23457 and read["time/step"] == 3.0  # 6 significant digits
+
+
+def call(low, high, group=(0, 1)):
+    """One recorded loss call with the pair (low, high)."""
+    return {"group_ranks": list(group), "metrics": {"bapo_clip_low": low, "bapo_clip_high": high}}
+
+
+def test_agreement_counts_the_calls_where_ranks_chose_apart():
+    same = agreement([[call(0.6, 1.2), call(0.7, 3.0)], [call(0.6, 1.2), call(0.7, 3.0)]])
+    assert same == dict(calls_per_rank=[2, 2], ranks_agree=True, calls_apart=0, groups=[(0, 1)])
+    apart = agreement([[call(0.6, 1.2), call(0.7, 3.0)], [call(0.6, 1.25), call(0.7, 3.0)]])
+    assert (apart["ranks_agree"], apart["calls_apart"]) == (False, 1)
+    assert agreement([[call(0.6, 1.2)], [call(0.6, 1.2), call(0.6, 1.2)]])["ranks_agree"] is False
+    assert agreement([[], []])["ranks_agree"] is False
+
+
+WHOLE = dict(requested_steps=3, steps=[1, 2, 3], checkpoint="c", trinity_exit=0)
+WHOLE.update(ranks_agree=True, sync_across_dp=True)
+
+
+@pytest.mark.parametrize(
+    "change, code",
+    [
+        ({}, 0),
+        ({"steps": [1, 2]}, 1),  # trinity run exited 0, a step is missing
+        ({"steps": [1, 3]}, 1),
+        ({"checkpoint": ""}, 1),
+        ({"trinity_exit": -9}, 1),  # killed at the timeout
+        ({"ranks_agree": False}, 1),
+        ({"ranks_agree": False, "sync_across_dp": False}, 0),  # the control may disagree
+    ],
+)
+def test_exit_code_is_1_unless_the_run_is_whole(change, code):
+    assert exit_code({**WHOLE, **change}) == code
+
+
+def test_stand_ins_are_inert_unless_the_launcher_turns_them_on(monkeypatch):
+    from scripts.harness import cpu
+
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    before = list(sys.meta_path)
+    for off in (None, "0", ""):
+        if off is None:
+            monkeypatch.delenv(cpu.STAND_INS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(cpu.STAND_INS_ENV, off)
+        cpu.install_from_env()
+        assert sys.meta_path == before
+    monkeypatch.setenv(cpu.STAND_INS_ENV, "1")
+    cpu.install_from_env()
+    hook = sys.meta_path[0]
+    assert isinstance(hook, cpu.AfterImport) and hook.name == cpu.WORKERS_MODULE
+    assert hook.then is cpu.ray_worker_stand_ins
+
+
+def test_the_hook_runs_once_after_its_module_has_executed(tmp_path, monkeypatch):
+    from scripts.harness.cpu import AfterImport
+
+    (tmp_path / "watched_by_the_hook.py").write_text("VALUE = 41\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    seen = []
+    sys.meta_path.insert(0, AfterImport("watched_by_the_hook", lambda: seen.append(module().VALUE)))
+
+    def module():
+        return sys.modules["watched_by_the_hook"]
+
+    import watched_by_the_hook  # noqa: F401
+
+    assert seen == [41] and not any(isinstance(f, AfterImport) for f in sys.meta_path)
+    monkeypatch.delitem(sys.modules, "watched_by_the_hook")
