@@ -3,10 +3,12 @@
 ``dist/trinity-rft-policy-loss-runtime-keys.patch``: the interface (``patches/runtime-keys-*``
 and its test); ``dist/trinity-rft-bapo.patch``: BAPO (``patches/bapo-*``, our modules, the
 examples, its tests), on top of the interface; ``dist/trinity-rft-loss-agg-mode.patch``: the
-config fix and its test, alone. Each is one commit, as ``git format-patch`` writes it, on its
-base tree (the unpacked sdist, from PyPI, cached in build/sdist/, with its base's commit): its
-patches applied and its files added, with its description (``patches/pr/<name>.md``) as the
-message. ``git am -3`` and ``git apply`` both take it.
+config fix and its test, alone; ``dist/trinity-rft-bapo-update-scope.patch``: the pass over each
+optimizer update (``patches/update-scope-*`` and its test), on top of BAPO. Each is one
+commit, as ``git format-patch`` writes it, on its base tree (the unpacked sdist, from PyPI,
+cached in build/sdist/, with its bases' commits): its patches applied and its files added,
+with its description (``patches/pr/<name>.md``) as the message. ``git am -3`` and ``git apply``
+both take it.
 Run: make pr (or: python -m scripts.make_pr [OUTPUT_DIR])
 """
 
@@ -60,10 +62,11 @@ def _pull_request(name: str, prefix: str, base: Optional[PullRequest] = None) ->
 
 
 def pull_requests() -> List[PullRequest]:
-    """The three pull requests: the interface, BAPO on top of it, and the config fix."""
+    """The interface, BAPO on top of it, the config fix, and BAPO's pair per update on BAPO."""
     keys = _pull_request("policy-loss-runtime-keys", "runtime-keys")
     bapo = _pull_request("bapo", "bapo", base=keys)
-    return [keys, bapo, _pull_request("loss-agg-mode", "loss-agg-mode")]
+    update = _pull_request("bapo-update-scope", "update-scope", base=bapo)
+    return [keys, bapo, _pull_request("loss-agg-mode", "loss-agg-mode"), update]
 
 
 def source_distribution() -> Path:
@@ -106,7 +109,10 @@ def format_patch(pr: PullRequest) -> str:
     with tempfile.TemporaryDirectory(prefix="trinity-pr-") as tmp:
         root = unpack(Path(tmp))
         git(root, "init", "-q")
-        for step in [None, pr.base, pr] if pr.base else [None, pr]:
+        chain = [pr]
+        while chain[0].base:
+            chain.insert(0, chain[0].base)  # type: ignore[arg-type]
+        for step in [None, *chain]:
             message = "Trinity-RFT 0.6.0" if step is None else step.description()
             if step is not None:
                 add(root, step)
