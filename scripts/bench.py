@@ -106,8 +106,9 @@ def bench_update_pass(size: Dict) -> Dict:
     if launch.code != 0:
         return {"error": f"torchrun exit {launch.code}: {launch.err[-2000:]}"}
     result = json.loads(launch.out.strip().splitlines()[-1])
-    share, median = result["pass_share_of_step"], result["median_s"]
-    print(f"## Update pass (CPU, width {result['hidden']}): {share:.2f} of a step, s {median}")
+    share, alone = result["pass_share_of_step"], result["pass_alone_share_of_step"]
+    head = f"## Update pass (CPU, width {result['hidden']}): adds {share:.2f} of a step"
+    print(f"{head} (alone {alone:.2f}), s {result['median_s']}")
     return result
 
 

@@ -244,8 +244,9 @@ def bench_update(args) -> None:
     """Seconds per optimizer update (``engine.train_batch``), deciding per call and per update.
 
     One rollout of the default setting, trained as one update of ``args.micro`` sequences per
-    call (lr 0, so the weights stay), by BAPO at the paper's settings in both scopes in
-    interleaved rounds, the first a warm-up; rank 0 prints the medians as one JSON line.
+    call (lr 0, so the weights stay), by BAPO at the paper's settings in both scopes, and the
+    pass alone (``engine.infer_batch`` through the loss), in interleaved rounds, the first a
+    warm-up; rank 0 prints the medians as one JSON line.
     """
     from trinity.trainer.verl.losses import TrinityPolicyLoss
     from trinity.trainer.verl.workers import run_updates_in_loss_context
@@ -258,19 +259,24 @@ def bench_update(args) -> None:
     engine = fresh_engine(behaviour, 0.0, micro, args.seed)
     run_updates_in_loss_context(engine)
     batch = split(fields, sequences, micro)[0]
-    seconds: Dict[str, List[float]] = {"micro_batch": [], "update": []}
+    seconds: Dict[str, List[float]] = {"micro_batch": [], "update": [], "pass": []}
     with engine.train_mode(disable_auto_offload=True):
         for _ in range(args.bench_update + 1):
             for scope, times in seconds.items():
-                loss_args = {**variant("bapo_paper").args, "search_scope": scope}
+                kept = "micro_batch" if scope == "pass" else scope
+                loss_args = {**variant("bapo_paper").args, "search_scope": kept}
                 loss_fn = TrinityPolicyLoss(loss_config("bapo", loss_args))
                 started = time.perf_counter()
-                engine.train_batch(batch, loss_function=loss_fn)
+                if scope == "pass":
+                    engine.infer_batch(batch, loss_function=loss_fn)
+                else:
+                    engine.train_batch(batch, loss_function=loss_fn)
                 times.append(time.perf_counter() - started)
     median = {scope: statistics.median(times[1:]) for scope, times in seconds.items()}
     if rank == 0:
         share = (median["update"] - median["micro_batch"]) / median["micro_batch"]
         result = {"pass_share_of_step": share, "median_s": median, "rounds": args.bench_update}
+        result["pass_alone_share_of_step"] = median["pass"] / median["micro_batch"]
         result.update(
             sequences=sequences, micro=micro, hidden=args.hidden, ranks=dist.get_world_size()
         )
