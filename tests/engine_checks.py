@@ -6,9 +6,10 @@
   group. Phases: ``sync``, ``authors`` (their order and grid), ``nosync``, ``released`` (the
   released ``losses.py``, which drops the group) and ``muted`` (BAPO's all-reduce a no-op): the
   controls must disagree. With ``grads`` (FSDP2 only), the gradient the engine hands its
-  optimizer is compared with one process's oracle gradient (``grad_oracle``).
-- ``worker`` (options ``config_true``, ``config_false``): a Trinity trainer rank minus Ray, from
-  each YAML to one ``update_actor`` on this rank's share of a batch.
+  optimizer is compared with one process's oracle gradient (``grad_oracle``). The phases of
+  ``UPDATE_PHASES`` train with ``search_scope: update`` through Trinity's train_batch hook.
+- ``worker`` (options ``config_true``, ``config_false``, ``config_update``): a Trinity trainer
+  rank minus Ray, from each YAML to one ``update_actor`` on this rank's share of a batch.
 """
 
 import importlib.util

@@ -9,7 +9,10 @@ must disagree. The ``worker`` check takes a Trinity YAML through ``load_config``
 bypassed); with ``use_dynamic_bsz`` one rank's longer sequences need more micro-batches, and the
 engine must raise the other's count to match. The gradient the engine hands its optimizer, after
 FSDP's reduction, must equal one process's gradient at the union's pairs (``grad_oracle`` in
-``tests/engine_checks.py`` states verl's scaling). Two launches: 2 ranks, and 4 for Ulysses.
+``tests/engine_checks.py`` states verl's scaling). With ``search_scope: update``, every call of
+an update must take the oracle's pair on the whole update's data, whatever the micro-batch split,
+and a rank failing in the pass must make every rank raise. Two launches: 2 ranks, and 4 for
+Ulysses.
 """
 
 import shutil
