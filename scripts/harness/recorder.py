@@ -9,7 +9,7 @@ class LossRecorder:
     def __init__(self, trinity_loss, engine_group=None, keep_inputs: bool = False):
         """Take the place of ``trinity_loss.policy_loss_fn``; ``engine_group`` is the expected."""
         self._inner, self.engine_group = trinity_loss.policy_loss_fn, engine_group
-        self.keep_inputs, self.calls = keep_inputs, list[dict]()
+        self.keep_inputs, self.calls, self.pass_calls = keep_inputs, list[dict](), list[dict]()
         trinity_loss.policy_loss_fn = self
 
     def __getattr__(self, name):
@@ -17,7 +17,11 @@ class LossRecorder:
         return getattr(self._inner, name)
 
     def __call__(self, logprob, dp_group=None, **kwargs):
-        """Run the real loss, then note its group, metrics and (if kept) inputs."""
+        """Run the real loss, then note its group, metrics and (if kept) inputs.
+
+        A call that returns no metrics, one of the pass over an update's data that a loss with
+        ``update_pass`` asks for, is noted in ``pass_calls``.
+        """
         loss, metrics = self._inner(logprob=logprob, dp_group=dp_group, **kwargs)
         ranks = None if dp_group is None else dist.get_process_group_ranks(dp_group)
         call = {"group_ranks": ranks, "is_engine_group": dp_group is self.engine_group}
@@ -26,5 +30,5 @@ class LossRecorder:
             inputs = dict(logprob=logprob.detach().clone(), old_logprob=kwargs["old_log_probs"])
             inputs.update(advantages=kwargs["advantages"], mask=kwargs["response_mask"].long())
             call["inputs"] = inputs
-        self.calls.append(call)
+        (self.calls if metrics else self.pass_calls).append(call)
         return loss, metrics
