@@ -38,6 +38,9 @@ SIZES: Dict[str, Dict[str, Any]] = {
 }
 SIZES["full"].update(cuda_tokens=[65_536, 8_388_608], step=(8, 128, 2048))
 SIZES["quick"].update(cuda_tokens=[4096], step=(2, 32, 256))
+# search_scope: update's pass against a training update in verl's engine (CPU, one gloo rank)
+SIZES["full"].update(update_hidden=512, update_rounds=7)
+SIZES["quick"].update(update_hidden=32, update_rounds=1)
 # Qwen2-0.5B's shape, as its config.json gives it; settings that cost nothing stay at the defaults
 QWEN2_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, vocab_size=151936)
 QWEN2_05B.update(num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
@@ -89,6 +92,23 @@ def bench_dp(tokens: int, repeats: int) -> Dict:
     result = json.loads(launch.out.strip().splitlines()[-1])
     med = result["median_s"]
     print(f"## Data parallel, 4 ranks x {tokens:,} tokens: seconds {med}, {result['collectives']}")
+    return result
+
+
+def bench_update_pass(size: Dict) -> Dict:
+    """What ``search_scope: update``'s pass adds to an optimizer update, as a share of one.
+
+    The trainer's ``bench_update`` on one gloo rank: 64 sequences, 8 per call, a 2-layer Llama
+    of width ``update_hidden``, BAPO per call against BAPO per update in interleaved rounds.
+    """
+    argv = ["--out", "unused", "--bench-update", size["update_rounds"], "--micro", 8]
+    launch = torchrun(1, "scripts.harness.trainer", [*argv, "--hidden", size["update_hidden"]], 900)
+    if launch.code != 0:
+        return {"error": f"torchrun exit {launch.code}: {launch.err[-2000:]}"}
+    result = json.loads(launch.out.strip().splitlines()[-1])
+    share, alone = result["pass_share_of_step"], result["pass_alone_share_of_step"]
+    head = f"## Update pass (CPU, width {result['hidden']}): adds {share:.2f} of a step"
+    print(f"{head} (alone {alone:.2f}), s {result['median_s']}")
     return result
 
 
@@ -197,6 +217,7 @@ def main(argv=None) -> int:
     print(f"# BAPO benchmark: torch {torch.__version__}, {os.cpu_count()} cores, {size}")
     loss = bench_loss(size["shape"], size["rounds"])
     dp = bench_dp(size["dp_tokens"], size["dp_repeats"])
+    update = bench_update_pass(size)
     cuda = bench_cuda(size) if torch.cuda.is_available() else {"skipped": "no CUDA device"}
     if "skipped" in cuda:
         print(f"## CUDA loss and step: skipped, {cuda['skipped']}")
@@ -213,6 +234,7 @@ def main(argv=None) -> int:
     # the authors' loop and our search in their order stop at the same pair, on every rank
     result["same_pair"] = pairs["ours"][:3] == pairs["authors"] and dp.get("ranks_agree", False)
     result.update(pair=loss["pair"], quick=args.quick, dp=dp, ms=loss["ms"], cuda=cuda)
+    result.update(update_pass_share_of_step=update.get("pass_share_of_step"), update_pass=update)
     print(json.dumps(result, default=str), flush=True)
     return 0
 

@@ -150,7 +150,7 @@ def distances(split: dict, ranks: int) -> dict:
     """A split's calls against the reference pair: their pairs, mean |dc| per bound, same pair."""
     (low, high), calls = split["reference"], split["pairs"]
     counts = Counter(f"({a:.2f}, {b:.2f})" for a, b in calls).most_common()
-    row = {"ranks": ranks, "micro": split["micro"], "calls": len(calls)}
+    row = {"ranks": ranks, "micro": split["micro"], "scope": split["scope"], "calls": len(calls)}
     row.update(reference=f"({low:.2f}, {high:.2f})", ranks_agree=split["ranks_agree"])
     row["pairs"] = ", ".join(f"{pair} x{n}" for pair, n in counts)
     row["d_low"] = sum(abs(a - low) for a, _ in calls) / len(calls)

@@ -3,12 +3,15 @@
 ``dist/trinity-rft-policy-loss-runtime-keys.patch``: the interface (``patches/runtime-keys-*``
 and its test); ``dist/trinity-rft-bapo.patch``: BAPO (``patches/bapo-*``, our modules, the
 examples, its tests), on top of the interface; ``dist/trinity-rft-loss-agg-mode.patch``: the
-config fix and its test, alone. Each is one commit, as ``git format-patch`` writes it, on its
-base tree (the unpacked sdist, from PyPI, cached in build/sdist/, with its base's commit): its
-patches applied and its files added, with its description (``patches/pr/<name>.md``) as the
-message. The diffs of files the sdist lacks (README_zh.md, the Sphinx pages) are the parts'
-own, written against the repository: ``git am -3`` takes each patch there, and ``git apply``
-takes it on the sdist with those files excluded.
+config fix and its test, alone; ``dist/trinity-rft-bapo-update-scope.patch``: the pass over each
+optimizer update (``patches/update-scope-*``, the module's ``search_scope`` and its test), on
+top of BAPO. Each is one commit, as ``git format-patch`` writes it, on its base tree (the
+unpacked sdist, from PyPI, cached in build/sdist/, with its bases' commits): its patches applied
+and its files added, with its description (``patches/pr/<name>.md``) as the message. The diffs
+of files the sdist lacks (README_zh.md, the Sphinx pages) are the parts' own, written against
+the repository: ``git am -3`` takes each patch there, and ``git apply`` takes it on the sdist
+with those files excluded. ``patches/pr/bapo-update-scope.module.patch`` takes the module's
+``search_scope`` out of the BAPO pull request (applied in reverse there) and into the fourth.
 Run: make pr (or: python -m scripts.make_pr [OUTPUT_DIR])
 """
 
@@ -19,7 +22,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -30,6 +33,8 @@ SDIST = REPO / "build" / "sdist" / "trinity_rft-0.6.0.tar.gz"
 # the commits' author and date, fixed so that a rerun writes the same bytes; `git am` keeps them
 AUTHOR = ["-c", "user.name=Trinity-RFT contributor", "-c", "user.email=contributor@example.com"]
 DATES = {"GIT_AUTHOR_DATE": "2026-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2026-01-01T00:00:00Z"}
+# the module's search_scope, from the BAPO pull request's version to the repository's
+MODULE_SPLIT = "bapo-update-scope.module.patch"
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,8 @@ class PullRequest:
     patches: List[str]
     files: List[str]
     base: Optional["PullRequest"] = None
+    held_back: Optional[str] = None  # a diff of its files (patches/pr/) that a later PR adds
+    adds: Optional[str] = None  # a diff of its base's files (patches/pr/) that it applies
 
     def description(self) -> str:
         """The commit message: the description, then the parts the patch holds, one line each."""
@@ -63,10 +70,13 @@ def _pull_request(name: str, prefix: str, base: Optional[PullRequest] = None) ->
 
 
 def pull_requests() -> List[PullRequest]:
-    """The three pull requests: the interface, BAPO on top of it, and the config fix."""
+    """The interface, BAPO on top of it, the config fix, and BAPO's pair per update on BAPO."""
     keys = _pull_request("policy-loss-runtime-keys", "runtime-keys")
-    bapo = _pull_request("bapo", "bapo", base=keys)
-    return [keys, bapo, _pull_request("loss-agg-mode", "loss-agg-mode")]
+    bapo = replace(_pull_request("bapo", "bapo", base=keys), held_back=MODULE_SPLIT)
+    update = replace(
+        _pull_request("bapo-update-scope", "update-scope", base=bapo), adds=MODULE_SPLIT
+    )
+    return [keys, bapo, _pull_request("loss-agg-mode", "loss-agg-mode"), update]
 
 
 def source_distribution() -> Path:
@@ -125,20 +135,28 @@ def add(root: Path, pr: PullRequest) -> None:
     for rel in pr.files:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(REPO / rel, root / rel)
+    if pr.held_back:
+        git(root, "apply", "-R", str(PATCHES / "pr" / pr.held_back))
+    if pr.adds:
+        git(root, "apply", str(PATCHES / "pr" / pr.adds))
 
 
 def format_patch(pr: PullRequest) -> str:
     """The pull request as ``git format-patch`` writes it: one commit on its base tree.
 
-    A file the sdist leaves out gets a stand-in, whose diff the pull request's own replaces.
+    A file the sdist leaves out gets a stand-in (for its bases' parts too), whose diff the pull
+    request's own replaces.
     """
+    chain = [pr]
+    while chain[0].base:
+        chain.insert(0, chain[0].base)  # type: ignore[arg-type]
     with tempfile.TemporaryDirectory(prefix="trinity-pr-") as tmp:
         root = unpack(Path(tmp))
-        left_out = repository_only(root, pr)
-        for rel, diff in left_out.items():
+        left_out = [repository_only(root, step) for step in chain]
+        for rel, diff in (item for diffs in left_out for item in diffs.items()):
             stand_in(root, rel, diff)
         git(root, "init", "-q")
-        for step in [None, pr.base, pr] if pr.base else [None, pr]:
+        for step in [None, *chain]:
             message = "Trinity-RFT 0.6.0" if step is None else step.description()
             if step is not None:
                 add(root, step)
@@ -147,7 +165,7 @@ def format_patch(pr: PullRequest) -> str:
         options = ["--no-renames", "--no-signature", "--full-index"]
         patch = git(root, "format-patch", "--stdout", *options, "-1")
     head = re.split(r"(?m)^(?=diff --git )", patch)[0]
-    return head + "".join(left_out.get(rel, diff) for rel, diff in file_diffs(patch).items())
+    return head + "".join(left_out[-1].get(rel, diff) for rel, diff in file_diffs(patch).items())
 
 
 def main(output: Path = OUTPUT) -> int:

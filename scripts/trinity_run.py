@@ -42,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--no-sync", action="store_true", help="sync_across_dp: false (the ranks may disagree)"
     )
+    parser.add_argument(
+        "--search-scope", choices=("micro_batch", "update"), default="micro_batch", help="BAPO's"
+    )
     parser.add_argument("--timeout", type=float, default=600, help="seconds for `trinity run`")
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -107,9 +110,12 @@ def rank_calls(folder: Path) -> List[List[dict]]:
 
 
 def agreement(calls: List[List[dict]]) -> dict:
-    """Whether every rank chose the same pair at every call, and the groups the loss received."""
+    """Whether every rank chose the same pair at every call, and the groups the loss received.
+
+    Calls of a pass over an update's data (``search_scope: update``) choose nothing: counted apart.
+    """
     pairs = [
-        [tuple(c["metrics"][k.split("/")[1]] for k in PAIR_KEYS[:2]) for c in rank]
+        [tuple(c["metrics"][k.split("/")[1]] for k in PAIR_KEYS[:2]) for c in rank if c["metrics"]]
         for rank in calls
     ]
     same_count = len({len(p) for p in pairs}) == 1 and len(pairs[0]) > 0
@@ -117,6 +123,7 @@ def agreement(calls: List[List[dict]]) -> dict:
     groups = sorted({tuple(c["group_ranks"] or ()) for rank in calls for c in rank})
     return dict(
         calls_per_rank=[len(p) for p in pairs],
+        pass_calls_per_rank=[sum(not c["metrics"] for c in rank) for rank in calls],
         ranks_agree=same_count and apart == 0,
         calls_apart=apart,
         groups=groups,
@@ -129,13 +136,13 @@ def checkpoint(out: Path, name: str, steps: int) -> str:
     return str(found[0].relative_to(out)) if found and any(found[0].iterdir()) else ""
 
 
-def prepare(out: Path, steps: int, sync: bool) -> Path:
+def prepare(out: Path, steps: int, sync: bool, scope: str) -> Path:
     """The run's folder, emptied, with the model, the config and the filled buffer; the config."""
     kill_ray(out / "ray")  # a run owns its folder: no Ray, buffer or checkpoint is reused
     shutil.rmtree(out, ignore_errors=True)
     (out / "calls").mkdir(parents=True)
     build_model(out / "model")
-    config_path = write_config(out, steps, sync)
+    config_path = write_config(out, steps, sync, scope)
     fill_buffer(config_path, steps)
     return config_path
 
@@ -179,7 +186,7 @@ def main(argv=None) -> int:
     """Build, start Ray, run ``trinity run``, stop Ray, report."""
     args = parse_args(argv)
     started, out, sync = time.monotonic(), args.out.resolve(), not args.no_sync
-    config_path = prepare(out, args.steps, sync)
+    config_path = prepare(out, args.steps, sync, args.search_scope)
     print(f"inputs built under {out}; starting Ray and `trinity run`", flush=True)
     head = start_ray(out / "ray", RANKS, worker_env(out))
     try:
@@ -188,6 +195,7 @@ def main(argv=None) -> int:
     finally:
         stop_ray(head)
     result = report(out, args.steps, sync, code, logged)
+    result["search_scope"] = args.search_scope
     result["seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps(result), flush=True)
     return exit_code(result)

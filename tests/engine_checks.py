@@ -6,9 +6,10 @@
   group. Phases: ``sync``, ``authors`` (their order and grid), ``nosync``, ``released`` (the
   released ``losses.py``, which drops the group) and ``muted`` (BAPO's all-reduce a no-op): the
   controls must disagree. With ``grads`` (FSDP2 only), the gradient the engine hands its
-  optimizer is compared with one process's oracle gradient (``grad_oracle``).
-- ``worker`` (options ``config_true``, ``config_false``): a Trinity trainer rank minus Ray, from
-  each YAML to one ``update_actor`` on this rank's share of a batch.
+  optimizer is compared with one process's oracle gradient (``grad_oracle``). The phases of
+  ``UPDATE_PHASES`` train with ``search_scope: update`` through Trinity's train_batch hook.
+- ``worker`` (options ``config_true``, ``config_false``, ``config_update``): a Trinity trainer
+  rank minus Ray, from each YAML to one ``update_actor`` on this rank's share of a batch.
 """
 
 import importlib.util
@@ -20,6 +21,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
 
 from scripts.harness.cpu import cpu_stand_ins
 from scripts.harness.engine import build_engine, engine_batch, full_state_dict, trinity_layout
@@ -28,7 +30,7 @@ from scripts.harness.recorder import LossRecorder
 from scripts.harness.tasks import VOCAB_SIZE
 from scripts.harness.variants import loss_config
 from tests.inputs import chosen, loss_kwargs, point
-from tests.ranks import main
+from tests.ranks import main, outcome
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 
 STEPS, MICRO_BATCH = 2, 4  # train_batch calls per phase, sequences per micro-batch
@@ -40,6 +42,17 @@ PHASES = {
     "released": (True, "paper_upper", True),
     "muted": (True, "paper_upper", False),
 }
+# Per-update phases (``search_scope: update``): a config, sequences per micro-batch (0: dynamic
+# batch sizes, at most DYNAMIC_TOKENS tokens per micro-batch), arguments changed (the paper's
+# grid with a target of 0.5, which this data moves); ``update_fail``: rank 1's pass fails.
+UPPER = ("paper_upper", {"positive_contribution_target": 0.5})
+UPDATE_PHASES = {
+    f"update_{order}_{size or 'dynamic'}": (name, size, extra)
+    for order, (name, extra) in (("upper", UPPER), ("lower", ("yaml_lower", {})))
+    for size in (1, 2, 4, 0)
+}
+UPDATE_PHASES["update_fail"] = (*UPPER[:1], 2, UPPER[1])
+DYNAMIC_TOKENS = 40
 MUTED = {"muted"}  # phases whose BAPO calls find torch.distributed.all_reduce a no-op
 GRAD_PHASES = ("sync", "authors", "nosync", "muted")  # phases whose gradients ``grads`` checks
 BATCH, WIDTH = 8, 6  # sequences per data-parallel rank and step; prompt and response width
@@ -119,8 +132,21 @@ def full_grads(module) -> Dict[str, torch.Tensor]:
     return grads
 
 
+def spy_optimizer_step(engine, grads: list) -> None:
+    """Note what the optimizer gets at every step: after FSDP's reduction, before clipping."""
+    step_fn = engine.optimizer_step
+
+    def optimizer_step():
+        grads.append(full_grads(engine.module))
+        return step_fn()
+
+    engine.optimizer_step = optimizer_step
+
+
 def run_phase(engine, phase: str, options: dict, dp_rank: int, grads_on=False) -> dict:
     """Train ``STEPS`` batches with one phase's loss; return what BAPO saw (and the gradients)."""
+    if phase in UPDATE_PHASES:
+        return run_update_phase(engine, phase, dp_rank, grads_on)
     sync, name, released = PHASES[phase]
     loss = loss_class(released and options["released_losses"])(
         loss_config("bapo", loss_kwargs(name, sync_across_dp=sync))
@@ -130,14 +156,8 @@ def run_phase(engine, phase: str, options: dict, dp_rank: int, grads_on=False) -
     recorder = LossRecorder(loss, engine.get_data_parallel_group(), keep_inputs=True)
     grads, states = list[dict](), list[dict]()
     check_grads = grads_on and phase in GRAD_PHASES
-    if check_grads:  # what the optimizer gets: after FSDP's reduction, before clipping
-        step_fn = engine.optimizer_step
-
-        def optimizer_step():
-            grads.append(full_grads(engine.module))
-            return step_fn()
-
-        engine.optimizer_step = optimizer_step
+    if check_grads:
+        spy_optimizer_step(engine, grads)
     for step in range(STEPS):
         data = engine_batch(rank_batch(dp_rank, step), MICRO_BATCH, options["sp"] != "1")
         if check_grads:
@@ -148,6 +168,47 @@ def run_phase(engine, phase: str, options: dict, dp_rank: int, grads_on=False) -
     if check_grads:
         del engine.optimizer_step  # the class's method again
         record["grads"] = grad_oracle(name, states, grads, recorder.calls)
+    for call in recorder.calls:
+        call["data"] = {key: value.tolist() for key, value in call.pop("inputs").items()}
+    return record
+
+
+def run_update_phase(engine, phase: str, dp_rank: int, grads_on: bool) -> dict:
+    """Train ``STEPS`` updates with ``search_scope: update`` through Trinity's train_batch hook.
+
+    ``update_fail``: rank 1's advantages are bools in the first update, which BAPO refuses in
+    the pass; every rank's outcome is recorded, then a clean update must take the union's pair.
+    """
+    from trinity.trainer.verl.losses import TrinityPolicyLoss
+    from trinity.trainer.verl.workers import run_updates_in_loss_context
+
+    name, size, extra = UPDATE_PHASES[phase]
+    kwargs = loss_kwargs(name, search_scope="update", **extra)
+    loss = TrinityPolicyLoss(loss_config("bapo", kwargs))
+    recorder = LossRecorder(loss, engine.get_data_parallel_group(), keep_inputs=True)
+    run_updates_in_loss_context(engine)
+    grads, states, outcomes = list[dict](), list[dict](), list[dict]()
+    check_grads = grads_on and size > 0 and phase != "update_fail"
+    if check_grads:
+        spy_optimizer_step(engine, grads)
+    for step in range(STEPS):
+        batch = rank_batch(dp_rank, step)
+        if phase == "update_fail" and step == 0 and dp_rank == 1:
+            batch["advantages"] = batch["advantages"] > 0
+        data = engine_batch(batch, size or BATCH)
+        if size == 0:
+            tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=DYNAMIC_TOKENS)
+        if check_grads:
+            states.append(full_state_dict(engine))
+        with engine.train_mode():
+            outcomes.append(outcome(lambda: engine.train_batch(data, loss_function=loss) and None))
+        outcomes[-1]["calls"] = len(recorder.calls) - sum(o["calls"] for o in outcomes[:-1])
+    for attribute in ("optimizer_step", "train_batch"):
+        engine.__dict__.pop(attribute, None)  # the class's methods again
+    record: dict = {"config": name, "calls": recorder.calls, "outcomes": outcomes}
+    record["pass_calls"] = len(recorder.pass_calls)
+    if check_grads:
+        record["grads"] = grad_oracle(name, states, grads, recorder.calls, size, extra)
     for call in recorder.calls:
         call["data"] = {key: value.tolist() for key, value in call.pop("inputs").items()}
     return record
@@ -174,12 +235,14 @@ def ppo_clip(name: str, pair, log_probs, batch) -> torch.Tensor:
     )[0]
 
 
-def micro_batches(fields: Dict[str, torch.Tensor], starts) -> List[Dict[str, torch.Tensor]]:
-    """A rank's padded fields cut as the engine cuts its batch: rows from each start on."""
-    return [{key: value[i : i + MICRO_BATCH] for key, value in fields.items()} for i in starts]
+def micro_batches(fields: Dict[str, torch.Tensor], size: int) -> List[Dict[str, torch.Tensor]]:
+    """A rank's padded fields cut as the engine cuts its batch: ``size`` rows at a time."""
+    return [
+        {key: value[i : i + size] for key, value in fields.items()} for i in range(0, BATCH, size)
+    ]
 
 
-def grad_oracle(name: str, states, grads, calls) -> List[dict]:
+def grad_oracle(name, states, grads, calls, size=MICRO_BATCH, per_update=None) -> List[dict]:
     """Per step, the engine's gradient against one process's, with no FSDP and no group.
 
     verl 0.8 (``FSDPEngine.forward_backward_batch``) runs ``loss.backward()`` on the value each
@@ -193,35 +256,41 @@ def grad_oracle(name: str, states, grads, calls) -> List[dict]:
     with PPO-clip at the pair chosen on call k. The oracle computes ``g`` in one process from a
     plain model holding the step's weights, once with the pairs one process chooses on the
     union of every rank's micro-batch k (``union``), once with each rank's recorded pairs
-    (``own``). It also reports its log-probs against those the loss received.
+    (``own``). It also reports its log-probs against those the loss received. ``per_update``
+    (arguments changed, maybe none): the union is that of all the step's micro-batches, one
+    pair for every call, as under ``search_scope: update``.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, [chosen(call["metrics"])[:2] for call in calls])
     model = build_model(0, hidden=32)
-    searching = BAPOPolicyLossFn(**loss_kwargs(name, sync_across_dp=False))
+    searching = BAPOPolicyLossFn(**loss_kwargs(name, sync_across_dp=False, **(per_update or {})))
     out = []
     for step, (state, got) in enumerate(zip(states, grads)):
         model.load_state_dict(state)
-        starts = range(0, BATCH, MICRO_BATCH)  # the engine's split: consecutive rows
-        batches = [micro_batches(rank_fields(r, step), starts) for r in range(world)]
+        count = BATCH // size  # the engine's split: ``size`` consecutive rows per micro-batch
+        batches = [micro_batches(rank_fields(r, step), size) for r in range(world)]
         log_probs = [[response_log_probs(model, b) for b in mbs] for mbs in batches]
-        union_pairs, lp_diff = [], 0.0
-        for k in range(len(starts)):
-            call = calls[step * len(starts) + k]["inputs"]  # this rank's own call k
+        lp_diff = 0.0
+        for k in range(count):
+            call = calls[step * count + k]["inputs"]  # this rank's own call k
             mask = call["mask"].bool()
             assert torch.equal(call["old_logprob"][mask], batches[rank][k]["old"][mask])
             lp_diff = max(lp_diff, float((call["logprob"] - log_probs[rank][k])[mask].abs().max()))
-            union = {f: torch.cat([b[k][f] for b in batches]) for f in ("old", "advantages")}
-            union["response_mask"] = torch.cat([b[k]["response_mask"] for b in batches])
-            union_lp = torch.cat([lp[k] for lp in log_probs]).detach()
+        union_pairs: list = []
+        for ks in [range(count)] if per_update is not None else [[k] for k in range(count)]:
+            parts = [(r, k) for r in range(world) for k in ks]
+            union = {
+                f: torch.cat([batches[r][k][f] for r, k in parts])
+                for f in ("old", "advantages", "response_mask")
+            }
             metrics = searching(
-                logprob=union_lp,
+                logprob=torch.cat([log_probs[r][k] for r, k in parts]).detach(),
                 old_logprob=union["old"],
                 action_mask=union["response_mask"],
                 advantages=union["advantages"],
             )[1]
-            union_pairs.append(chosen(metrics)[:2])
+            union_pairs += [chosen(metrics)[:2]] * len(ks)
         record: dict = {"union_pairs": union_pairs, "log_prob_max_abs": lp_diff}
         scale = max(float(g.abs().max()) for g in got.values())
         record["engine_max_abs"] = scale
@@ -230,12 +299,12 @@ def grad_oracle(name: str, states, grads, calls) -> List[dict]:
             total = sum(
                 ppo_clip(
                     name,
-                    union_pairs[k] if kind == "union" else per_rank[r][step * len(starts) + k],
+                    union_pairs[k] if kind == "union" else per_rank[r][step * count + k],
                     response_log_probs(model, batches[r][k]),
                     batches[r][k],
                 )
                 for r in range(world)
-                for k in range(len(starts))
+                for k in range(count)
             )
             (total / world).backward()  # type: ignore[union-attr]
             want = dict(model.named_parameters())
@@ -285,7 +354,8 @@ def trainer_batch(rank: int, config) -> TensorDict:
 
 def check_worker(ctx) -> dict:
     """Each config file to ``update_actor`` on this rank; returns what the driver checks."""
-    return {sync: run_worker(ctx.rank, ctx.options[f"config_{sync}"]) for sync in ("true", "false")}
+    runs = ("true", "false", "update")  # sync on, off, on with ``search_scope: update``
+    return {run: run_worker(ctx.rank, ctx.options[f"config_{run}"]) for run in runs}
 
 
 def run_worker(rank: int, path: str) -> dict:
@@ -301,17 +371,20 @@ def run_worker(rank: int, path: str) -> dict:
     worker.init_model()
     worker.set_trinity_config(config.algorithm, rollout_engine_type="vllm", ray_namespace="")
     loss = worker.actor.loss_fn
-    recorder = LossRecorder(loss)
+    recorder = LossRecorder(loss, keep_inputs=True)
     data = trainer_batch(rank, config)
     # the micro-batches this rank's tokens need alone, as verl's dynamic batching counts them
     tokens = int(data["attention_mask"].sum())
     own_count = min(len(data), math.ceil(tokens / (config.trainer.max_token_len_per_gpu or tokens)))
     metrics = worker.update_actor(data).get_non_tensor("metrics")
+    for call in recorder.calls:
+        call["data"] = {key: value.tolist() for key, value in call.pop("inputs").items()}
     return {
         "engine_group": dist.get_process_group_ranks(worker.actor.engine.get_data_parallel_group()),
         "loss_class": type(loss).__name__,
         "sync_across_dp": recorder.sync_across_dp,
         "calls": recorder.calls,
+        "pass_calls": len(recorder.pass_calls),
         "own_micro_batches": own_count,
         "metrics": {k: v for k, v in metrics.items() if "bapo" in k or k.startswith("pg_")},
     }

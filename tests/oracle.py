@@ -106,9 +106,12 @@ def token_mean(data, kwargs, low, high) -> float:
     return float(losses[torch.tensor(data["mask"]).bool()].mean())
 
 
-def compare_to_union(results, datas, name) -> list:
-    """Every rank's choice, rho and loss against the oracle on the union (empty: all agree)."""
-    kwargs, union = loss_kwargs(name), union_tokens(datas)
+def compare_to_union(results, datas, name, **extra) -> list:
+    """Every rank's choice, rho and loss against the oracle on the union (empty: all agree).
+
+    ``extra``: arguments changed from config ``name``'s.
+    """
+    kwargs, union = loss_kwargs(name, **extra), union_tokens(datas)
     want = search(union, kwargs)
     want_rho = rho(union, *want[:2])
     problems = []

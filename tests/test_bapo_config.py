@@ -34,8 +34,10 @@ PAPER_SEC_5_1 = {
     "search_order": "upper_first",  # Algorithm 1 order
 }
 # What the paper leaves open: PPO's dual clip at 3.0 (authors' code and Trinity's PPO), verl's
-# token-mean, and the search sums shared across data-parallel ranks.
+# token-mean, and the search sums shared across data-parallel ranks; and a decision per call,
+# where the paper decides per update (``search_scope: update``, at the price of a pass).
 PROJECT_CHOICES = {"clip_ratio_c": 3.0, "loss_agg_mode": "token-mean", "sync_across_dp": True}
+PROJECT_CHOICES["search_scope"] = "micro_batch"
 DEFAULTS = {**PAPER_SEC_5_1, **PROJECT_CHOICES}
 # The preset: GRPO advantages, no critic, no KL, no entropy term.
 PRESET = {
@@ -217,6 +219,7 @@ BAD_ARGUMENTS = [("positive_contribution_target", 1.5), ("search_order", "sidewa
 BAD_ARGUMENTS += [("clip_ratio_c", 1.0), ("ratio_upper_max", "3.0"), ("ratio_lower_step", None)]
 # A quoted 'false' would sync; the trainer passes its own backend, so a second one fails there.
 BAD_ARGUMENTS += [("sync_across_dp", "false"), ("backend", "verl"), ("backend", "x")]
+BAD_ARGUMENTS += [("search_scope", "step")]
 
 
 @pytest.mark.parametrize("argument, value", BAD_ARGUMENTS)
@@ -244,6 +247,22 @@ def test_the_tinker_trainer_is_refused_at_config_validation(job_dirs):
     (job_dirs / "config.yaml").write_text(yaml.safe_dump(example))
     with pytest.raises(ValueError, match="Tinker trainer: it calls the policy loss once per"):
         load_and_validate(job_dirs / "config.yaml")
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_update_scope_reaches_the_loss_and_is_refused_under_the_legacy_actors(
+    job_dirs, monkeypatch, legacy
+):
+    """The legacy actors (verl < 0.8) run no pass over an optimizer update's data."""
+    monkeypatch.setattr("trinity.trainer.trainer.is_verl_legacy", lambda: legacy)
+    example = written(MAIN)
+    example["algorithm"]["policy_loss_fn_args"] = {"search_scope": "update"}
+    (job_dirs / "config.yaml").write_text(yaml.safe_dump(example))
+    if legacy:
+        with pytest.raises(ValueError, match="search_scope: update"):
+            load_and_validate(job_dirs / "config.yaml")
+    else:
+        assert built_loss(load_and_validate(job_dirs / "config.yaml")).update_pass is True
 
 
 def test_misspelt_argument_fails_at_config_validation(job_dirs):

@@ -7,6 +7,7 @@ from the same call on clean inputs, never from the code under test.
 
 import json
 import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -165,6 +166,7 @@ BAD_ARGUMENTS: list[tuple[dict, str, str]] = [
     (dict(point(0.8, 1.5), ratio_upper_step=None), "ratio_upper_step", NUMBER),
     # lower_first's cap adds 1.99995 to 10,000 steps of 1e-4: one candidate too many
     (dict(FINE, ratio_upper_max=1.99995, search_order="lower_first"), "ratio_upper_step", STEP),
+    (dict(search_scope="step"), "search_scope", "micro_batch or update"),
 ]
 
 
@@ -419,3 +421,71 @@ def test_masked_nonfinite_values_touch_neither_loss_nor_gradient(fields, bad, or
     assert (grad[mask == 0] == 0).all() and (grad[mask == 1] != 0).any()
     assert m == clean_m
     assert chosen(m) == (*inputs.PAPER_MAX, inputs.PAPER_STEPS)
+
+
+# Three micro-batches of one update, of their own shapes, lengths and log-ratio spreads
+UPDATE_BATCHES = [
+    batch((2, 7), seed=4, spread=0.6, lengths=[7, 4]),
+    batch((3, 5), seed=5, spread=0.2),
+    batch((1, 9), seed=6, spread=0.9, lengths=[6]),
+]
+
+
+def as_data(logprob, old, mask, adv) -> dict:
+    """One micro-batch as the oracle takes it: lists under the names ``tokens_of`` reads."""
+    tensors = dict(logprob=logprob, old_logprob=old, mask=mask, advantages=adv)
+    return {key: value.tolist() for key, value in tensors.items()}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("target", [0.4, 0.55])
+def test_update_scope_calls_take_the_oracle_pair_on_the_whole_update(order, target):
+    """The pass's sums over three micro-batches: every call of the update at the union's pair.
+
+    The update's pair, rho and each call's loss against the literal oracle on the concatenated
+    tokens; released after the update, a call without a pass raises.
+    """
+    kwargs = loss_kwargs("paper_upper", search_order=order, positive_contribution_target=target)
+    fn = BAPOPolicyLossFn(**dict(kwargs, search_scope="update"))
+    datas = [as_data(*b) for b in UPDATE_BATCHES]
+    union = oracle.union_tokens(datas)
+    want = oracle.search(union, kwargs)
+    fn.begin_pass()
+    assert all(call(fn, *b) == (0.0, {}) for b in UPDATE_BATCHES)
+    fn.end_pass()
+    per_call = [oracle.search(oracle.tokens_of(d), kwargs) for d in datas]
+    assert any(pair != want for pair in per_call), "each micro-batch alone agrees: no test"
+    for b, data in zip(UPDATE_BATCHES, datas):
+        loss, metrics = call(fn, *b)
+        assert chosen(metrics) == want
+        assert metrics["bapo_positive_contribution"] == pytest.approx(oracle.rho(union, *want[:2]))
+        assert float(loss) == pytest.approx(oracle.token_mean(data, kwargs, *want[:2]), rel=1e-5)
+    fn.end_update()
+    with pytest.raises(RuntimeError, match="search_scope: update"):
+        call(fn, *UPDATE_BATCHES[0])
+
+
+def test_update_scope_without_a_pass_raises_rather_than_deciding_per_call():
+    with pytest.raises(RuntimeError, match="needs the trainer's pass"):
+        call(BAPOPolicyLossFn(search_scope="update"), *UPDATE_BATCHES[0])
+
+
+def test_update_scope_a_failing_micro_batch_in_the_pass_raises_its_own_error_at_end_pass():
+    """The pass goes on past it (no raise mid-pass); ``end_pass`` raises what the call raised."""
+    fn = BAPOPolicyLossFn(search_scope="update")
+    logprob, old, mask, adv = UPDATE_BATCHES[1]
+    with pytest.raises(Exception) as alone:
+        call(BAPOPolicyLossFn(), logprob, old, mask, adv > 0)  # bool advantages
+    fn.begin_pass()
+    call(fn, *UPDATE_BATCHES[0])
+    call(fn, logprob, old, mask, adv > 0)
+    call(fn, *UPDATE_BATCHES[2])
+    with pytest.raises(type(alone.value), match=re.escape(str(alone.value))):
+        fn.end_pass()
+    fn.end_update()
+    fn.begin_pass()  # the next update starts clean
+    call(fn, *UPDATE_BATCHES[0])
+    fn.end_pass()
+    assert chosen(call(fn, *UPDATE_BATCHES[0])[1]) == chosen(
+        call(BAPOPolicyLossFn(), *UPDATE_BATCHES[0])[1]
+    )

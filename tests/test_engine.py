@@ -9,7 +9,10 @@ must disagree. The ``worker`` check takes a Trinity YAML through ``load_config``
 bypassed); with ``use_dynamic_bsz`` one rank's longer sequences need more micro-batches, and the
 engine must raise the other's count to match. The gradient the engine hands its optimizer, after
 FSDP's reduction, must equal one process's gradient at the union's pairs (``grad_oracle`` in
-``tests/engine_checks.py`` states verl's scaling). Two launches: 2 ranks, and 4 for Ulysses.
+``tests/engine_checks.py`` states verl's scaling). With ``search_scope: update``, every call of
+an update must take the oracle's pair on the whole update's data, whatever the micro-batch split,
+and a rank failing in the pass must make every rank raise. Two launches: 2 ranks, and 4 for
+Ulysses.
 """
 
 import shutil
@@ -19,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from scripts.harness.launch import REPO
-from tests.engine_checks import PHASES
-from tests.inputs import BAPO_METRICS, PAPER_START, loss_kwargs
+from tests.engine_checks import PHASES, STEPS, UPDATE_PHASES
+from tests.inputs import BAPO_METRICS, PAPER_START, chosen, loss_kwargs
 from tests.oracle import compare_to_union, pairs_by_call, search, union_tokens
 
 LOSSES = "trinity/trainer/verl/losses.py"
@@ -40,6 +43,7 @@ algorithm:
   repeat_times: 4
   policy_loss_fn_args:
     sync_across_dp: {sync}
+    search_scope: {scope}
 model:
   model_path: {root}/model
   max_response_tokens: 6
@@ -73,6 +77,11 @@ trainer:
 """
 
 
+# the worker's runs: (name, sync_across_dp, search_scope)
+WORKER_RUNS = [("true", "true", "micro_batch"), ("false", "false", "micro_batch")]
+WORKER_RUNS.append(("update", "true", "update"))
+
+
 def released_losses(folder: Path) -> Path:
     """A copy of the installed ``losses.py`` with the patch that forwards dp_group reverted."""
     import trinity
@@ -90,12 +99,13 @@ def released_losses(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def engine(launches, tmp_path_factory):
     """Per rank, what a check recorded in the 2-rank launch (one launch runs every check)."""
-    options = dict(sp=1, phases=",".join(PHASES), grads=1)
+    options = dict(sp=1, phases=",".join([*PHASES, *UPDATE_PHASES]), grads=1)
     options["released_losses"] = released_losses(tmp_path_factory.mktemp("released"))
-    for sync in ("true", "false"):
-        root = tmp_path_factory.mktemp(f"sync_{sync}")
-        (root / "config.yaml").write_text(CONFIG.format(root=root, sync=sync, ranks=RANKS))
-        options[f"config_{sync}"] = root / "config.yaml"
+    for run, sync, scope in WORKER_RUNS:
+        root = tmp_path_factory.mktemp(f"run_{run}")
+        text = CONFIG.format(root=root, sync=sync, scope=scope, ranks=RANKS)
+        (root / "config.yaml").write_text(text)
+        options[f"config_{run}"] = root / "config.yaml"
     args = (RANKS, "tests.engine_checks", ["fsdp2", "fsdp1", "worker"])
     return lambda check: launches.check("engine", check, *args, timeout=600, **options)
 
@@ -144,14 +154,15 @@ def test_ulysses_sub_groups_reach_bapo_and_agree(launches):
     assert_groups_agree_with_their_union(got, PHASES["sync"][1], {(0, 2), (1, 3)})
 
 
-def grad_problems(records, phase, pairs="union") -> list:
+def grad_problems(records, phase, pairs="union", per_update=False) -> list:
     """Where the engine's gradient leaves the oracle's at ``pairs`` (``union`` or ``own``).
 
     Also where the union's pairs that the oracle computed on the concatenated micro-batches
     differ from the literal search (tests/oracle.py) on the tokens the loss recorded, and where
     the oracle's log-probs differ from those the loss received (the two would then not compare).
     """
-    problems, kwargs = [], loss_kwargs(PHASES[phase][1])
+    name, _, extra = UPDATE_PHASES[phase] if per_update else (PHASES[phase][1], 0, {})
+    problems, kwargs = [], loss_kwargs(name, **extra)
     calls = [rank[phase]["calls"] for rank in records]
     for rank, record in enumerate(records):
         steps = record[phase]["grads"]
@@ -160,7 +171,10 @@ def grad_problems(records, phase, pairs="union") -> list:
             where = f"{phase} rank {rank} step {step}"
             for k, pair in enumerate(got["union_pairs"]):
                 i = step * per_step + k
-                literal = search(union_tokens([c[i]["data"] for c in calls]), kwargs)
+                union = (
+                    slice(step * per_step, (step + 1) * per_step) if per_update else slice(i, i + 1)
+                )
+                literal = search(union_tokens([d["data"] for c in calls for d in c[union]]), kwargs)
                 if tuple(pair) != literal[:2]:
                     problems.append(f"{where} call {k}: union pair {pair} != literal {literal}")
             if got["log_prob_max_abs"] > LOG_PROB_ATOL:
@@ -260,3 +274,104 @@ def test_update_actor_returns_the_bapo_metrics(engine, sync):
     logged = sorted(zip(metrics["actor/bapo_clip_low"], metrics["actor/bapo_clip_high"]))
     used = sorted(pair for pairs in pairs_by_call([run["calls"] for run in runs]) for pair in pairs)
     assert logged == used
+
+
+UPDATES = [phase for phase in UPDATE_PHASES if phase != "update_fail"]
+
+
+def updates(calls_by_rank, sizes) -> list:
+    """The calls of each optimizer update, per rank; ``sizes``: each update's number of calls."""
+    ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+    return [[rank[end - size : end] for rank in calls_by_rank] for size, end in zip(sizes, ends)]
+
+
+def update_sizes(records) -> list:
+    """Each update's number of training calls, the same on every rank (verl evens them)."""
+    sizes = [[outcome["calls"] for outcome in record["outcomes"]] for record in records]
+    assert all(s == sizes[0] for s in sizes), sizes
+    return sizes[0]
+
+
+def update_problems(calls_by_rank, sizes, name, **extra) -> list:
+    """Where a call leaves the pair, rho or loss of one decision on its whole update's data."""
+    problems = []
+    for step, ranks in enumerate(updates(calls_by_rank, sizes)):
+        calls = [call for rank in ranks for call in rank]
+        metrics, datas = [c["metrics"] for c in calls], [c["data"] for c in calls]
+        found = compare_to_union(metrics, datas, name, **extra)
+        problems += [f"update {step}: {p}" for p in found]
+    return problems
+
+
+def per_call_pairs(calls_by_rank, phase) -> list:
+    """The pairs that deciding at each call, over the ranks, would take (micro_batch scope)."""
+    name, _, extra = UPDATE_PHASES[phase]
+    kwargs = loss_kwargs(name, **extra)
+    return [
+        search(union_tokens([c["data"] for c in calls]), kwargs)[:2]
+        for calls in zip(*calls_by_rank)
+    ]
+
+
+@pytest.mark.parametrize("phase", UPDATES)
+def test_update_scope_every_call_takes_one_decision_on_the_update_data(engine, phase):
+    """Micro-batches of 1, 2, 4 sequences and dynamic bsz, both orders: the update's pair."""
+    records = [rank[phase] for rank in engine("fsdp2")]
+    calls = [record["calls"] for record in records]
+    assert not [o for r in records for o in r["outcomes"] if "raised" in o]
+    sizes = update_sizes(records)
+    assert all(c["is_engine_group"] for rank in calls for c in rank)
+    assert [r["pass_calls"] for r in records] == [len(rank) for rank in calls], "the pass's calls"
+    if UPDATE_PHASES[phase][1] == 0:  # dynamic bsz: the ranks' token counts ask apart
+        assert len(calls[0]) > STEPS, "dynamic bsz made one micro-batch per update"
+    name, _, extra = UPDATE_PHASES[phase]
+    problems = update_problems(calls, sizes, name, **extra)
+    assert not problems, "\n".join(problems)
+
+
+def test_update_scope_data_moves_the_search_and_per_call_decisions_leave_it(engine):
+    """The control: on this data, deciding at each call would leave the update's pair."""
+    left, moved = [], []
+    for phase in UPDATES:
+        calls = [rank[phase]["calls"] for rank in engine("fsdp2")]
+        used = [pairs[0] for pairs in pairs_by_call(calls)]
+        moved.append(any(pair != PAPER_START for pair in used))
+        left.append(used != per_call_pairs(calls, phase))
+    assert all(moved), dict(zip(UPDATES, moved))
+    assert sum(left) >= len(UPDATES) - 2, dict(zip(UPDATES, left))  # size 4 may coincide
+
+
+@pytest.mark.parametrize("phase", [p for p in UPDATES if UPDATE_PHASES[p][1]])
+def test_update_scope_engine_grad_equals_one_process_grad_at_the_update_pair(engine, phase):
+    records = engine("fsdp2")
+    problems = grad_problems(records, phase, per_update=True)
+    assert not problems, "\n".join(problems)
+
+
+def test_update_scope_a_rank_failing_in_the_pass_makes_every_rank_raise(engine):
+    """Rank 1's bool advantages fail in its first pass: both ranks raise, before training.
+
+    The next update takes the union's pair again.
+    """
+    records = [rank["update_fail"] for rank in engine("fsdp2")]
+    first = [record["outcomes"][0] for record in records]
+    assert first[0]["raised"] == "RuntimeError", first
+    assert "failed on another rank" in first[0]["message"], first
+    assert "raised" in first[1] and "another rank" not in first[1]["message"], first
+    assert not any("raised" in record["outcomes"][1] for record in records)
+    calls = [record["calls"] for record in records]
+    assert update_sizes(records)[0] == 0, "a training call ran after the pass failed"
+    name, _, extra = UPDATE_PHASES["update_fail"]
+    problems = update_problems(calls, update_sizes(records), name, **extra)
+    assert not problems, "\n".join(problems)
+
+
+def test_worker_update_scope_takes_the_update_pair_at_every_call(engine):
+    """From the YAML: set_trinity_config hooks the pass in; every call takes the update's pair."""
+    runs = [record["update"] for record in engine("worker")]
+    calls = [run["calls"] for run in runs]
+    assert [run["pass_calls"] for run in runs] == [len(c) for c in calls]
+    assert [run["pass_calls"] for run in (r["true"] for r in engine("worker"))] == [0] * RANKS
+    problems = update_problems(calls, [len(calls[0])], "paper_upper")
+    assert not problems, "\n".join(problems)
+    assert any(chosen(c["metrics"])[:2] != PAPER_START for c in calls[0]), "the search never moved"

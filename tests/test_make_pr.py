@@ -1,10 +1,12 @@
-"""`make pr`'s three patches apply to the Trinity-RFT 0.6.0 sdist as stated, and their tests pass.
+"""`make pr`'s patches apply to the Trinity-RFT 0.6.0 sdist as stated, and their tests pass.
 
 The interface and the config fix apply alone to a fresh sdist (from PyPI, cached in build/sdist/),
-BAPO on top of the interface; touched files equal ours. The config fix's test must fail on the
-released tree, and BAPO's when a claim they rest on is undone, or they would prove nothing.
+BAPO on top of the interface, the fourth on BAPO; touched files equal ours. The config fix's
+test must fail on the released tree, and BAPO's and the fourth's when a claim they rest on is
+undone, or they would prove nothing.
 """
 
+import ast
 import importlib.metadata
 import json
 import os
@@ -13,6 +15,7 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -27,6 +30,10 @@ BAPO_TESTS = [
 ]
 FIX_TEST = "tests/common/test_loss_agg_mode_config.py"
 DOCS_ROWS = "bapo-0003-docs-list-bapo.patch"
+UPDATE_TEST = "tests/algorithm/test_bapo_update_scope.py"
+MODULE = "trinity/algorithm/policy_loss_fn/bapo_policy_loss.py"
+# the module's search_scope: reversed in the BAPO pull request, applied in bapo-update-scope
+MODULE_SPLIT = PATCHES / "pr" / "bapo-update-scope.module.patch"
 # name -> (its parts in order, the files it adds, the pull request it applies on top of)
 PULL_REQUESTS = {
     "policy-loss-runtime-keys": (
@@ -53,8 +60,19 @@ PULL_REQUESTS = {
         "policy-loss-runtime-keys",
     ),
     "loss-agg-mode": (["loss-agg-mode-0001-config-copies-loss-agg-mode.patch"], {FIX_TEST}, None),
+    "bapo-update-scope": (
+        [
+            "update-scope-0001-optimizer-update-pass.patch",
+            "update-scope-0002-bapo-refuses-update-scope-on-legacy.patch",
+        ],
+        {UPDATE_TEST},
+        "bapo",
+    ),
 }
 
+
+# name -> the files of the pull requests it builds on that it changes (not through a part)
+CHANGED_AGAIN = {"bapo-update-scope": {MODULE}}
 
 # BAPO's rows in files the sdist does not ship: their hunks are written against the repository
 REPOSITORY_ONLY = [
@@ -145,7 +163,7 @@ def test_pull_requests_name_none_of_this_repositorys_tooling(written, name) -> N
     assert [line for line in text.splitlines() if OUR_TOOLING.search(line)] == []
 
 
-def test_make_pr_writes_exactly_the_three_pull_requests(written) -> None:
+def test_make_pr_writes_exactly_its_pull_requests(written) -> None:
     names = sorted(p.name for p in written.iterdir())
     assert names == sorted(f"trinity-rft-{name}.patch" for name in PULL_REQUESTS)
 
@@ -234,16 +252,16 @@ def test_each_patch_holds_its_parts_and_files(applied, written) -> None:
     """It changes its parts' files and creates its own, none of which the repository holds."""
     name, _, touched = applied
     patches, added, _ = PULL_REQUESTS[name]
-    assert set(touched) == touched_by(patches) | added
+    assert set(touched) == touched_by(patches) | added | CHANGED_AGAIN.get(name, set())
     text = (written / f"trinity-rft-{name}.patch").read_text()
     created = set(re.findall(r"^diff --git a/\S+ b/(\S+)\nnew file mode", text, re.M))
     assert created == added and not created & UPSTREAM_ONLY
 
 
-def test_git_am_takes_the_three_in_order_on_a_repository_of_the_release(
+def test_git_am_takes_them_in_order_on_a_repository_of_the_release(
     written, tmp_path_factory
 ) -> None:
-    """As a maintainer opens them: commits of the interface, BAPO, then the config fix.
+    """As a maintainer opens them: the interface, BAPO, the config fix, BAPO's pair per update.
 
     The release has no README_zh.md or docs/, so their rows are left out here.
     """
@@ -251,22 +269,36 @@ def test_git_am_takes_the_three_in_order_on_a_repository_of_the_release(
     who = ["-c", "user.name=maintainer", "-c", "user.email=maintainer@example.com"]
     for args in (["init", "-q"], ["add", "-A"], [*who, "commit", "-qm", "v0.6.0"]):
         assert run("git", *args, cwd=tree).returncode == 0
-    for name in ("policy-loss-runtime-keys", "bapo", "loss-agg-mode"):
+    for name in ("policy-loss-runtime-keys", "bapo", "loss-agg-mode", "bapo-update-scope"):
         patch = written / f"trinity-rft-{name}.patch"
         done = run("git", *who, "am", "-3", "--keep-non-patch", *SDIST_ONLY, patch, cwd=tree)
         assert done.returncode == 0, (name, done.stdout, done.stderr)
     log = run("git", "log", "--format=%s", cwd=tree).stdout.splitlines()
-    assert [line.split(" ", 1)[0] for line in log] == ["[Fix]", "[Feature]", "[Feature]", "v0.6.0"]
+    kinds = ["[Feature]", "[Fix]", "[Feature]", "[Feature]", "v0.6.0"]
+    assert [line.split(" ", 1)[0] for line in log] == kinds
 
 
-def with_the_rest_of_the_series(tree: Path, name: str, rel: str, tmp_path: Path) -> bytes:
+def with_the_rest_of_the_series(tree: Path, name: Optional[str], rel: str, tmp_path: Path) -> bytes:
     """The tree's file with the series' parts that other pull requests hold applied too."""
-    parts, _, base = PULL_REQUESTS[name]
-    chain = {*parts, *(PULL_REQUESTS[base][0] if base else [])}
+    chain: set[str] = set()
+    while name:
+        parts, _, base = PULL_REQUESTS[name]
+        chain, name = chain | set(parts), base
     rest = [PATCHES / p for p in (PATCHES / "series").read_text().split() if p not in chain]
     (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / rel).write_bytes((tree / rel).read_bytes())
     done = run("git", "apply", f"--include={rel}", *rest, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    return (tmp_path / rel).read_bytes()
+
+
+def repo_file(name: str, rel: str, tmp_path: Path) -> bytes:
+    """The repository's file as pull request ``name`` holds it (BAPO's module: no search_scope)."""
+    if (name, rel) != ("bapo", MODULE):
+        return (REPO / rel).read_bytes()
+    (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / rel).write_bytes((REPO / rel).read_bytes())
+    done = run("git", "apply", "-R", MODULE_SPLIT, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     return (tmp_path / rel).read_bytes()
 
@@ -277,11 +309,11 @@ def test_every_touched_file_equals_ours(applied, tmp_path) -> None:
     added = PULL_REQUESTS[name][1]
     for rel in set(touched) - set(REPOSITORY_ONLY):
         got = (tree / rel).read_bytes()
-        if rel.startswith("trinity/"):
+        if rel in added or rel in CHANGED_AGAIN.get(name, ()):
+            assert got == repo_file(name, rel, tmp_path), f"{rel} differs from the repo's file"
+        elif rel.startswith("trinity/"):
             ours = with_the_rest_of_the_series(tree, name, rel, tmp_path)
             assert ours == (SITE / rel).read_bytes(), f"{rel} differs from the installed file"
-        if rel in added:
-            assert got == (REPO / rel).read_bytes(), f"{rel} differs from the repo's file"
 
 
 def test_own_tests_pass_against_the_patched_tree(applied) -> None:
@@ -417,3 +449,41 @@ def test_examples_reach_the_loss_with_the_algorithm_mode(base, written, tmp_path
     assert len(found) == 2 * len(AGG_MODES)
     # with no loss argument written, the defaults hold the key: even 0.6.0 copies the mode
     assert all(modes == [key.split("/")[1]] * 2 for key, modes in found.items()), found
+
+
+def test_update_scope_tests_fail_when_the_pass_is_skipped(written, tmp_path_factory) -> None:
+    """With the hook's pass taken out of ``optimizer_update``, the pull request's test fails."""
+    tree = patched_tree("bapo-update-scope", written, tmp_path_factory)
+    losses = tree / "trinity" / "trainer" / "verl" / "losses.py"
+    text, the_pass = losses.read_text(), "engine.infer_batch(data, loss_function=self)"
+    assert text.count(the_pass) == 1
+    losses.write_text(text.replace(the_pass, "pass"))
+    test = "test_every_call_of_the_update_takes_the_pair_of_its_union"
+    done = pytest_in(tree, [UPDATE_TEST], (), "-k", test)
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.M)
+    assert done.returncode == 1 and any(test in name for name in failed), done.stdout[-3000:]
+
+
+def literal_default_args(source: str) -> dict:
+    """The dict ``default_args`` returns, read from the source as a literal (Trinity's style)."""
+    (method,) = [
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef) and node.name == "default_args"
+    ]
+    returned = method.body[-1]
+    assert isinstance(returned, ast.Return) and returned.value is not None
+    return ast.literal_eval(returned.value)
+
+
+def test_bapo_holds_the_module_without_search_scope_and_the_fourth_adds_it(
+    written, tmp_path_factory
+) -> None:
+    """The BAPO module ships no argument whose hook it lacks; on top of it the fourth adds it."""
+    bapo = (patched_tree("bapo", written, tmp_path_factory) / MODULE).read_text()
+    assert "search_scope" not in bapo and "update_pass" not in bapo
+    assert "search_scope" not in literal_default_args(bapo)
+    ours = (REPO / MODULE).read_text()
+    assert literal_default_args(ours)["search_scope"] == "micro_batch"
+    tree = patched_tree("bapo-update-scope", written, tmp_path_factory)
+    assert (tree / MODULE).read_text() == ours

@@ -117,6 +117,14 @@ def test_bench_prints_every_figure_with_the_verdict_of_its_value(bench):
     )
 
 
+def test_bench_update_pass_share_is_the_extra_time_of_an_update_over_one_without(bench):
+    _, result = bench
+    medians = result["update_pass"]["median_s"]
+    assert min(medians.values()) > 0 and result["update_pass"]["micro"] == 8
+    extra = (medians["update"] - medians["micro_batch"]) / medians["micro_batch"]
+    assert result["update_pass_share_of_step"] == pytest.approx(extra)
+
+
 def test_bench_verdict_hand_examples():
     within, past = "MISS (within the hard limit)", "MISS (past the hard limit)"
     # goal 2.0, hard limit 3.0, lower is better
@@ -244,15 +252,20 @@ def test_small_study_trains_every_run_and_counts_how_bapo_calls_ended(tmp_path):
 def test_sensitivity_one_micro_batch_per_rank_is_the_whole_mini_batch_decision(tmp_path):
     argv = ["--steps", 2, "--sequences", 8, "--ranks", "1,2", "--micro", "2,4,8", "--out", tmp_path]
     result = last_json(run_module("scripts.experiment", "sensitivity", *argv))
-    splits = {(s["ranks"], s["micro"]): s for s in result["splits"]}
+    updates = [s for s in result["splits"] if s["scope"] == "update"]
+    splits = {(s["ranks"], s["micro"]): s for s in result["splits"] if s["scope"] == "micro_batch"}
     assert sorted(splits) == [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4)]  # 4 sequences a rank
+    # decided per update, every call of every split takes the whole mini-batch's pair
+    assert [(s["ranks"], s["micro"]) for s in updates] == sorted(splits)
+    assert all(s["same_pair"] == 1.0 and s["distance"] == 0.0 for s in updates), updates
+    assert [s["calls"] for s in updates] == [splits[key]["calls"] for key in sorted(splits)]
     assert [splits[key]["calls"] for key in sorted(splits)] == [4, 2, 1, 2, 1]
     assert all(split["ranks_agree"] for split in splits.values())
     # one micro-batch of the whole mini-batch, or one of each half synced over 2 ranks
     for key in ((1, 8), (2, 4)):
         assert splits[key]["same_pair"] == 1.0 and splits[key]["distance"] == 0.0
     record = json.loads((tmp_path / "ranks1.json").read_text())
-    for split in record["splits"]:
+    for split in [s for s in record["splits"] if s["scope"] == "micro_batch"]:
         lp, old, adv = (torch.tensor(row) for row in split["tokens"])
         tokens = oracle.token_lists(lp, old, torch.ones_like(lp), adv)
         assert len(tokens) > 0 and split["reference"] == list(oracle.search(tokens, PAPER)[:2])

@@ -145,9 +145,13 @@ def table(summary: Dict, labels: Dict[str, str]) -> str:
 
 def sensitivity_table(rows: List[Dict]) -> str:
     """One row per rank count and micro-batch size: the pairs chosen and their distance."""
-    head = "ranks | sequences per call and rank | calls | pairs chosen (count) | whole "
-    head += "mini-batch's pair | mean abs dc_low | mean abs dc_high | same pair"
-    cells = [[r["ranks"], r["micro"], r["calls"], r["pairs"], r["reference"]] for r in rows]
+    head = "ranks | sequences per call and rank | decided per | calls | pairs chosen (count) | "
+    head += "whole mini-batch's pair | mean abs dc_low | mean abs dc_high | same pair"
+    cells = [
+        [r["ranks"], r["micro"], r["scope"].replace("_", "-"), r["calls"], r["pairs"]]
+        + [r["reference"]]
+        for r in rows
+    ]
     for cell, r in zip(cells, rows):
         cell += [f"{r['d_low']:.3f}", f"{r['d_high']:.3f}", f"{r['same_pair']:.2f}"]
     return markdown(head, cells)
@@ -210,12 +214,16 @@ def plot(runs: Dict, labels: Dict[str, str], path: Path, title: str, docs=None) 
 
 
 def sensitivity_plot(rows: List[Dict], path: Path, docs: bool) -> None:
-    """Mean |dc_low| + |dc_high| and the same-pair share per micro-batch size and rank count."""
+    """Mean |dc_low| + |dc_high| and the same-pair share per micro-batch size and rank count.
+
+    Decisions per call (the default); those per update take the reference's pair throughout.
+    """
     fig, axes = figure(1, 2)
+    per = "micro_batch"
     titles = ["mean |dc_low| + |dc_high|", "share of calls with the same pair"]
     for ax, title, key in zip(axes[0], titles, ("distance", "same_pair")):
         for ranks in sorted({r["ranks"] for r in rows}):
-            mine = [(r["micro"], r[key]) for r in rows if r["ranks"] == ranks]
+            mine = [(r["micro"], r[key]) for r in rows if (r["ranks"], r["scope"]) == (ranks, per)]
             ax.plot(*zip(*mine), "o-", label=f"{ranks} ranks")
         ax.set(xticks=[1, 2, 4, 8], xlabel="sequences per call and rank", title=title)
         ax.grid(alpha=0.3)

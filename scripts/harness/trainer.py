@@ -9,6 +9,7 @@ writes one JSON line per step: the reward and entropy of fresh answers, each cal
 import argparse
 import copy
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -199,6 +200,8 @@ def replay(args) -> None:
     """Call BAPO through the engine on one fixed mini-batch, split over ranks and micro-batches.
 
     The policy does not move (``infer_batch``), so the splits differ only in what each call sees.
+    Each split runs twice: deciding per call, and per update (``search_scope: update``, the
+    mini-batch one update, through ``TrinityPolicyLoss.optimizer_update`` as the worker runs it).
     Rank 0 writes each call's pair and the reference: the pair on all the tokens in one process.
     """
     from trinity.trainer.verl.losses import TrinityPolicyLoss
@@ -210,12 +213,13 @@ def replay(args) -> None:
     fields = [t[: args.sequences][rank * share : (rank + 1) * share] for t in fixed["fields"]]
     run, result = variant("bapo_paper"), []
     engine = fresh_engine(model, args.lr, share, args.seed)
-    loss_fn = TrinityPolicyLoss(loss_config(run.loss, run.args))
-    recorder = LossRecorder(loss_fn, keep_inputs=True)
-    for micro in [m for m in map(int, args.micro.split(",")) if share % m == 0]:
-        recorder.calls.clear()
-        with engine.eval_mode(disable_auto_offload=True):
-            engine.infer_batch(split(fields, share, micro)[0], loss_function=loss_fn)
+    micros = [m for m in map(int, args.micro.split(",")) if share % m == 0]
+    for micro, scope in [(m, scope) for m in micros for scope in ("micro_batch", "update")]:
+        loss_fn = TrinityPolicyLoss(loss_config(run.loss, {**run.args, "search_scope": scope}))
+        recorder = LossRecorder(loss_fn, keep_inputs=True)
+        batch = split(fields, share, micro)[0]
+        with engine.eval_mode(disable_auto_offload=True), loss_fn.optimizer_update(engine, batch):
+            engine.infer_batch(batch, loss_function=loss_fn)
         pairs = call_figures(recorder.calls, run, [])["pairs"]
         keys, inputs = ("logprob", "old_logprob", "advantages"), [
             c["inputs"] for c in recorder.calls
@@ -227,12 +231,56 @@ def replay(args) -> None:
         alone = BAPOPolicyLossFn(**{**run.args, "sync_across_dp": False})
         metrics = alone(**dict(zip(keys, tokens)), action_mask=torch.ones_like(tokens[0]))[1]
         reference = [metrics["bapo_clip_low"], metrics["bapo_clip_high"]]
-        result.append({"micro": micro, "pairs": pairs, "ranks_agree": ranks_agree(pairs)})
+        result.append({"micro": micro, "scope": scope, "pairs": pairs})
+        result[-1].update(ranks_agree=ranks_agree(pairs))
         result[-1].update(reference=reference, tokens=tokens.tolist())
         if rank == 0:
-            print(f"[{world} ranks] {micro} sequences per call: {len(pairs)} calls")
+            print(f"[{world} ranks] {micro} sequences per call, per {scope}: {len(pairs)} calls")
     if rank == 0:
         args.out.write_text(json.dumps({"ranks": world, "splits": result}))
+
+
+def bench_update(args) -> None:
+    """Seconds per optimizer update (``engine.train_batch``), deciding per call and per update.
+
+    One rollout of the default setting, trained as one update of ``args.micro`` sequences per
+    call (lr 0, so the weights stay), by BAPO at the paper's settings in both scopes, and the
+    pass alone (``engine.infer_batch`` through the loss), in interleaved rounds, the first a
+    warm-up; rank 0 prints the medians as one JSON line.
+    """
+    from trinity.trainer.verl.losses import TrinityPolicyLoss
+    from trinity.trainer.verl.workers import run_updates_in_loss_context
+
+    setting, rank = Setting(), dist.get_rank()
+    behaviour = build_model(args.seed, hidden=args.hidden).eval()
+    gens = {k: torch.Generator().manual_seed(args.seed * 10 + rank) for k in ("prompts", "sample")}
+    fields, _ = rollout(behaviour, gens, setting)
+    sequences, micro = setting.prompts * setting.group_size, int(args.micro)
+    engine = fresh_engine(behaviour, 0.0, micro, args.seed)
+    run_updates_in_loss_context(engine)
+    batch = split(fields, sequences, micro)[0]
+    seconds: Dict[str, List[float]] = {"micro_batch": [], "update": [], "pass": []}
+    with engine.train_mode(disable_auto_offload=True):
+        for _ in range(args.bench_update + 1):
+            for scope, times in seconds.items():
+                kept = "micro_batch" if scope == "pass" else scope
+                loss_args = {**variant("bapo_paper").args, "search_scope": kept}
+                loss_fn = TrinityPolicyLoss(loss_config("bapo", loss_args))
+                started = time.perf_counter()
+                if scope == "pass":
+                    engine.infer_batch(batch, loss_function=loss_fn)
+                else:
+                    engine.train_batch(batch, loss_function=loss_fn)
+                times.append(time.perf_counter() - started)
+    median = {scope: statistics.median(times[1:]) for scope, times in seconds.items()}
+    if rank == 0:
+        share = (median["update"] - median["micro_batch"]) / median["micro_batch"]
+        result = {"pass_share_of_step": share, "median_s": median, "rounds": args.bench_update}
+        result["pass_alone_share_of_step"] = median["pass"] / median["micro_batch"]
+        result.update(
+            sequences=sequences, micro=micro, hidden=args.hidden, ranks=dist.get_world_size()
+        )
+        print(json.dumps(result), flush=True)
 
 
 def main(argv=None) -> int:
@@ -247,6 +295,8 @@ def main(argv=None) -> int:
     p.add_argument("--replay", type=Path, help="a saved rollout and policy: run replay()")
     p.add_argument("--sequences", type=int, default=32, help="replay: the mini-batch's size")
     p.add_argument("--micro", default="1,2,4,8", help="replay: sequences per call and rank")
+    p.add_argument("--bench-update", type=int, default=0, help="rounds: run bench_update()")
+    p.add_argument("--hidden", type=int, default=64, help="bench_update: the model's width")
     for field, value in Setting()._asdict().items():
         p.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
     args = p.parse_args(argv)
@@ -258,12 +308,14 @@ def main(argv=None) -> int:
     args.tag = f"{args.tag} " if args.tag else ""
     args.started, args.total = time.time(), len(names) * setting.steps
     try:
-        for index, name in enumerate([] if args.replay else names):
+        for index, name in enumerate([] if args.replay or args.bench_update else names):
             args.done_before = index * setting.steps
             train(variant(name), args.seed, setting, args.out / name, args)
             dist.barrier()
         if args.replay:
             replay(args)
+        if args.bench_update:
+            bench_update(args)
     finally:
         dist.destroy_process_group()
     return 0

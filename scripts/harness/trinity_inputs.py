@@ -33,6 +33,7 @@ algorithm:
     lr: 1.0e-3
   policy_loss_fn_args:
     sync_across_dp: {sync}
+    search_scope: {scope}
 model:
   model_path: {out}/model
   max_response_tokens: 8
@@ -128,13 +129,14 @@ def experiences(steps: int, seed: int = 0) -> list:
     return GRPOGroupedAdvantage().process(made)[0]
 
 
-def write_config(out: Path, steps: int, sync: bool) -> Path:
+def write_config(out: Path, steps: int, sync: bool, scope: str = "micro_batch") -> Path:
     """The example config, its rollout sections dropped and ``CPU_RUN`` written over it."""
     config = yaml.safe_load(EXAMPLE.read_text())
     for section in ("explorer", "synchronizer", "buffer", "model"):
         del config[section]
     sizes = dict(ranks=RANKS, group=GROUP, groups=GROUPS_PER_STEP, batch=GROUP * GROUPS_PER_STEP)
-    run = CPU_RUN.format(out=out, steps=steps, sync=str(sync).lower(), name=run_name(sync), **sizes)
+    sizes.update(out=out, steps=steps, sync=str(sync).lower(), scope=scope, name=run_name(sync))
+    run = CPU_RUN.format(**sizes)
     path = out / "config.yaml"
     path.write_text(yaml.safe_dump(merged(config, yaml.safe_load(run)), sort_keys=False))
     return path

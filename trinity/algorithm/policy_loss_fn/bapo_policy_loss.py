@@ -2,12 +2,14 @@
 
 On stale data negative-advantage tokens dominate the update: BAPO raises c_low and c_high inside
 movable ranges until positive tokens carry a share rho0 of the loss (Eq. 8), over the dp_group.
+With ``search_scope: update`` the pair is chosen once per optimizer update instead, from a pass
+over the update's micro-batches that the trainer runs first (``update_pass``).
 """
 
 import math
 import numbers
 from fractions import Fraction
-from typing import Dict, List, Tuple, cast
+from typing import Dict, List, Optional, Tuple, cast
 
 import numpy as np
 import torch
@@ -48,6 +50,11 @@ def candidates(name: str, start, maximum, step, low: float, high: float, cap: bo
     return grid + [maximum] if cap and grid[-1] < maximum else grid
 
 
+def collective_device(group) -> Optional[str]:
+    """Where ``group``'s all-reduce runs: the device of its backend for host-bound collectives."""
+    return None if group is None else dist.distributed_c10d._get_object_coll_device(group)
+
+
 class BAPOPolicyLossFn(PolicyLossFn):
     """PPO-clip loss whose ratio bounds are searched at every call (Algorithm 1)."""
 
@@ -67,6 +74,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         clip_ratio_c: float = 3.0,  # C, PPO's dual clip for A < 0
         loss_agg_mode: str = "token-mean",
         sync_across_dp: bool = True,  # choose over the dp_group that the trainer passes
+        search_scope: str = "micro_batch",  # update: one pair per optimizer update
     ) -> None:
         """Check every argument, so that a bad config fails before training starts.
 
@@ -98,6 +106,11 @@ class BAPOPolicyLossFn(PolicyLossFn):
             )
         self.loss_agg_mode = loss_agg_mode
         self.sync_across_dp = sync_across_dp
+        if search_scope not in ("micro_batch", "update"):
+            raise ValueError("BAPO: `search_scope` must be micro_batch or update")
+        self.update_pass = search_scope == "update"  # asks the trainer for a pass per update
+        self._pass: Optional[dict] = None  # while the pass runs: its summed Eq. 8, group, error
+        self._fixed: Optional[Tuple[int, int, float]] = None  # the update's pair and rho
 
     def __call__(  # type: ignore
         self,
@@ -115,25 +128,25 @@ class BAPOPolicyLossFn(PolicyLossFn):
         that rank its own error, the others a ``RuntimeError``.
         """
         group = dp_group if self.sync_across_dp and dist.is_initialized() else None
-        device = None if group is None else dist.distributed_c10d._get_object_coll_device(group)
+        if self._pass is not None:
+            return self._observe(logprob, old_logprob, action_mask, advantages, group)
+        if self.update_pass and self._fixed is None:
+            raise RuntimeError(
+                "BAPO: `search_scope: update` needs the trainer's pass over each optimizer "
+                "update's data (Trinity's verl engine worker runs it); none ran for this call"
+            )
+        if self._fixed is not None:  # the update's pair, agreed in its pass: no collective
+            group = None
+        device = collective_device(group)
         try:
             ratio, log_ratio, advantages, unclipped, bounds, sums = self._prepare(
                 logprob, old_logprob, action_mask, advantages
             )
             sums = sums if device is None else sums.to(device)
         except Exception:
-            if device is not None:  # join the all-reduce that the other ranks are making
-                size = 1 + len(self.upper) + len(self.lower)
-                failed = torch.zeros(size, dtype=torch.float64, device=device)
-                failed[0] = 1.0
-                dist.all_reduce(failed, op=dist.ReduceOp.SUM, group=group)
+            self._join_failed(device, group)
             raise
-        if group is not None:
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-        values = sums.tolist()
-        if values[0] > 0:
-            raise RuntimeError("BAPO: the policy loss failed on another rank of the dp_group")
-        i, j, rho = self._search(values)
+        i, j, rho = self._fixed or self._decide(sums, group)
         low, high = bounds[0][i], bounds[1][j]
         pg_loss, metrics = self._clipped_loss(ratio, advantages, unclipped, action_mask, low, high)
         return pg_loss, {
@@ -146,6 +159,63 @@ class BAPOPolicyLossFn(PolicyLossFn):
             "ppo_kl": masked_mean(-log_ratio, action_mask).detach().item(),
             "pg_loss": pg_loss.detach().item(),
         }
+
+    def _decide(self, sums: torch.Tensor, group) -> Tuple[int, int, float]:
+        """The pair and rho on ``sums`` summed over ``group``; raises if a rank's flag is set."""
+        if group is not None:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        values = sums.tolist()
+        if values[0] > 0:
+            raise RuntimeError("BAPO: the policy loss failed on another rank of the dp_group")
+        return self._search(values)
+
+    def _join_failed(self, device, group) -> None:
+        """Join the all-reduce that the other ranks of ``group`` make, with the failure flag set."""
+        if device is not None:
+            size = 1 + len(self.upper) + len(self.lower)
+            failed = torch.zeros(size, dtype=torch.float64, device=device)
+            failed[0] = 1.0
+            dist.all_reduce(failed, op=dist.ReduceOp.SUM, group=group)
+
+    def begin_pass(self) -> None:
+        """Until ``end_pass``, calls observe an update's micro-batches: Eq. 8 summed, no loss."""
+        self._pass, self._fixed = {"sums": None, "group": None, "error": None}, None
+
+    def _observe(self, logprob, old_logprob, action_mask, advantages, group):
+        """Add one micro-batch's sums to the pass's; a failure is kept for ``end_pass``.
+
+        No rank raises here: the engine's collectives in the pass's later micro-batches must
+        still meet on every rank. The loss returned, whatever the inputs, is a zero that the pass
+        does not use.
+        """
+        state = cast(dict, self._pass)
+        state.update(group=group, device=collective_device(group), seen=True)
+        try:
+            sums = self._prepare(logprob, old_logprob, action_mask, advantages)[-1]
+            sums = sums if state["device"] is None else sums.to(state["device"])
+            state["sums"] = sums if state["sums"] is None else state["sums"] + sums
+        except Exception as error:
+            state["error"] = state["error"] or error
+        zero = logprob.new_zeros(()) if isinstance(logprob, torch.Tensor) else torch.zeros(())
+        return zero, {}
+
+    def end_pass(self) -> None:
+        """Fix the update's pair from the pass: one all-reduce over the group its calls got.
+
+        A rank whose pass failed joins it with its failure flag set and raises its own error;
+        the others raise a ``RuntimeError``, as in a failing call under ``micro_batch``.
+        """
+        state, self._pass = cast(dict, self._pass), None
+        if "seen" not in state:
+            raise RuntimeError("BAPO: the pass over the optimizer update saw no micro-batch")
+        if state["error"] is not None:
+            self._join_failed(state["device"], state["group"])
+            raise state["error"]
+        self._fixed = self._decide(state["sums"], state["group"])
+
+    def end_update(self) -> None:
+        """Release the update's pair (and a pass left unfinished)."""
+        self._pass = self._fixed = None
 
     def _prepare(self, logprob, old_logprob, action_mask, advantages):
         """Ratio, log-ratio, advantages, unclipped loss, bounds, ``[0, P..., N...]`` in float64."""
@@ -218,4 +288,5 @@ class BAPOPolicyLossFn(PolicyLossFn):
             "clip_ratio_c": 3.0,
             "loss_agg_mode": "token-mean",
             "sync_across_dp": True,
+            "search_scope": "micro_batch",
         }

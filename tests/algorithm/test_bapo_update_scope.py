@@ -1,0 +1,266 @@
+# -*- coding: utf-8 -*-
+"""Test BAPO's `search_scope: update`: one clip pair per optimizer update, over the dp_group.
+
+Two gloo ranks started by the test run verl's `BaseEngine.train_batch` and `infer_batch` as they
+are, on an engine whose forward hands each micro-batch's ready log-probs to TrinityPolicyLoss, as
+verl's FSDP engine does after its model. With the worker's hook, every training call of an update
+takes the pair one process chooses on the union of both ranks' micro-batches, after exactly one
+all-reduce; without the hook BAPO refuses to guess; a rank failing in the pass makes both raise.
+"""
+
+import json
+import tempfile
+import time
+import unittest
+from datetime import timedelta
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
+from trinity.common.config import AlgorithmConfig, Config
+from trinity.common.config_validator import TrainerConfigValidator
+
+try:
+    from tensordict import TensorDict
+    from verl.workers.engine.base import BaseEngine
+
+    from trinity.trainer.verl.losses import TrinityPolicyLoss
+    from trinity.trainer.verl.workers import run_updates_in_loss_context
+
+    ENGINE = True
+except ImportError:  # verl < 0.8, Trinity's legacy stack, has no engine
+    ENGINE = False
+    BaseEngine = object  # type: ignore[misc, assignment]
+
+WORLD = 2
+TIMEOUT = 180  # seconds for the whole two-rank run, start-up included
+PROMPT_LEN = 2
+ARGS = {"search_scope": "update"}  # the paper's settings otherwise
+SHAPES = {0: ((4, 40), 0.5, 2), 1: ((2, 3), 0.8, 1)}  # rank: shape, share of A > 0, rows per call
+
+
+def rank_batch(rank, seed=0):
+    """Rank 0: 4 x 40 tokens, half with positive advantages; rank 1: 2 x 3, mostly positive."""
+    gen = torch.Generator().manual_seed(seed * WORLD + rank)
+    shape, positive, _ = SHAPES[rank]
+    old_logprob = -torch.rand(shape, generator=gen) * 2 - 0.1
+    logprob = old_logprob + 0.5 * torch.randn(shape, generator=gen)
+    sign = torch.where(torch.rand(shape, generator=gen) < positive, 1.0, -1.0)
+    advantages = sign * (torch.rand(shape, generator=gen) + 0.1)
+    action_mask = torch.rand(shape, generator=gen) > 0.1
+    return {
+        "logprob": logprob,
+        "old_logprob": old_logprob,
+        "action_mask": action_mask,
+        "advantages": advantages,
+    }
+
+
+class LogProbEngine(BaseEngine):
+    """verl's engine calling convention on ready log-probs: no model, no optimizer.
+
+    ``forward_backward_batch`` cuts the batch into micro-batches of ``rows`` rows, calls the loss
+    on each with the group, and back-propagates it unless ``forward_only``, as verl's FSDP engine
+    does; ``train_batch`` and ``infer_batch`` (no grad) are verl's own.
+    """
+
+    def __init__(self, rows, group):
+        """Micro-batches of ``rows`` rows; ``group``: the data-parallel group the loss gets."""
+        self.rows, self.group = rows, group
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        """Each micro-batch through the loss, back-propagated unless ``forward_only``."""
+        calls = []
+        for start in range(0, len(data["logprob"]), self.rows):
+            micro = {key: value[start : start + self.rows] for key, value in data.items()}
+            output, fields = trinity_layout(micro)
+            loss, metrics = loss_function(output, fields, dp_group=self.group)
+            if not forward_only:
+                loss.backward()
+            calls.append({key.removeprefix("actor/"): value for key, value in metrics.items()})
+        return {"metrics": {"calls": calls}}
+
+    def optimizer_zero_grad(self):
+        """No parameters: the log-probs are the leaves."""
+
+    def optimizer_step(self):
+        """No optimizer: a zero gradient norm."""
+        return 0.0
+
+    def is_mp_src_rank_with_outputs(self):
+        """One rank per model replica: every rank reports."""
+        return True
+
+
+def trinity_layout(batch):
+    """The model output and padded TensorDict that TrinityPolicyLoss reads, as in training."""
+    rows, width = batch["logprob"].shape
+    log_probs = torch.zeros(rows, PROMPT_LEN + width)
+    log_probs[:, PROMPT_LEN - 1 : -1] = batch["logprob"]  # position t scores token t + 1
+    data = {
+        "prompts": torch.ones(rows, PROMPT_LEN, dtype=torch.long),
+        "responses": torch.ones(rows, width, dtype=torch.long),
+        "attention_mask": torch.ones(rows, PROMPT_LEN + width, dtype=torch.long),
+        "response_mask": batch["action_mask"],
+        "old_log_probs": batch["old_logprob"],
+        "advantages": batch["advantages"],
+    }
+    return {"log_probs": log_probs.reshape(-1)}, TensorDict(data, batch_size=[rows])
+
+
+def trinity_loss(args):
+    """The engine loss around BAPO with ``args``, as the worker builds it."""
+    config = AlgorithmConfig(
+        policy_loss_fn="bapo",
+        policy_loss_fn_args=args,
+        kl_loss_fn="none",
+        kl_loss_fn_args={},
+        entropy_loss_fn="none",
+        entropy_loss_fn_args={"entropy_coef": 0.0},
+        loss_agg_mode="token-mean",
+    )
+    return TrinityPolicyLoss(config)
+
+
+def chosen(metrics):
+    """(c_low, c_high, steps) from a call's metrics."""
+    return [metrics[key] for key in ("bapo_clip_low", "bapo_clip_high", "bapo_search_steps")]
+
+
+def single_process_pair(args, batches):
+    """The pair one process chooses, at one call, on the tokens of ``batches`` together."""
+    union = {key: torch.cat([b[key].reshape(-1) for b in batches])[None] for key in batches[0]}
+    args = {**args, "search_scope": "micro_batch", "sync_across_dp": False}
+    return chosen(BAPOPolicyLossFn(**args)(**union)[1])
+
+
+def update(rank, args, batch, hooked=True):
+    """One optimizer update on this rank: each call's pair and the all-reduces made."""
+    engine = LogProbEngine(SHAPES[rank][2], dist.group.WORLD)
+    if hooked:
+        run_updates_in_loss_context(engine)
+    batch = {key: value.clone().requires_grad_(key == "logprob") for key, value in batch.items()}
+    with mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as all_reduce:
+        try:
+            calls = engine.train_batch(batch, loss_function=trinity_loss(args))["metrics"]["calls"]
+        except Exception as error:  # what this rank raises in this update
+            return {"raised": f"{type(error).__name__}: {error}"}
+    return {"pairs": [chosen(call) for call in calls], "all_reduces": all_reduce.call_count}
+
+
+def run_rank(rank, store):
+    """One rank: updates with and without the hook, sync off, and a failing pass."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=timedelta(60)
+    )
+    batch, bad = rank_batch(rank), rank_batch(rank, seed=1)
+    if rank == 1:
+        bad["advantages"] = bad["advantages"] > 0  # bool: BAPO refuses it in the pass
+    record = {
+        "update": update(rank, ARGS, batch),
+        "authors": update(rank, {**ARGS, "search_order": "lower_first"}, batch),
+        "alone": update(rank, {**ARGS, "sync_across_dp": False}, batch),
+        "unhooked": update(rank, ARGS, batch, hooked=False),
+        "failure": update(rank, ARGS, bad),
+        "after": update(rank, ARGS, batch),
+    }
+    (Path(store).parent / f"rank{rank}.json").write_text(json.dumps(record))
+    dist.destroy_process_group()
+
+
+class BAPOUpdateScopeConfigTest(unittest.TestCase):
+    """The argument's values, and the trainers where the pass cannot run."""
+
+    def test_search_scope_takes_micro_batch_or_update(self):
+        """Anything else is refused at construction."""
+        BAPOPolicyLossFn(search_scope="update")
+        with self.assertRaisesRegex(ValueError, "`search_scope` must be micro_batch or update"):
+            BAPOPolicyLossFn(search_scope="step")
+
+    def test_the_trainer_check_refuses_update_under_the_legacy_actors(self):
+        """The legacy actors (verl < 0.8) run no pass over an update's data."""
+        for legacy in (False, True):
+            config = Config()
+            config.algorithm.policy_loss_fn = "bapo"
+            config.algorithm.policy_loss_fn_args = {"search_scope": "update"}
+            with mock.patch("trinity.trainer.trainer.is_verl_legacy", return_value=legacy):
+                if legacy:
+                    with self.assertRaisesRegex(ValueError, "search_scope: update"):
+                        TrainerConfigValidator()._check_bapo(config)
+                else:
+                    TrainerConfigValidator()._check_bapo(config)
+
+
+@unittest.skipUnless(ENGINE, "needs verl >= 0.8, whose engine the hook wraps")
+class BAPOUpdateScopeTest(unittest.TestCase):
+    """Two gloo ranks with uneven micro-batches, against one process on the update's union."""
+
+    @classmethod
+    def setUpClass(cls):
+        """Run both ranks once (spawned, file rendezvous, under a timeout); read their files."""
+        with tempfile.TemporaryDirectory() as tmp:
+            store = Path(tmp) / "store"
+            context = mp.start_processes(
+                run_rank, (str(store),), nprocs=WORLD, join=False, start_method="spawn"
+            )
+            deadline = time.monotonic() + TIMEOUT
+            while not context.join(timeout=5):
+                if time.monotonic() > deadline:
+                    for process in context.processes:
+                        process.kill()
+                    raise TimeoutError(f"the {WORLD} ranks did not finish in {TIMEOUT} s")
+            cls.ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in (0, 1)]
+        cls.batches = [rank_batch(rank) for rank in range(WORLD)]
+
+    def test_every_call_of_the_update_takes_the_pair_of_its_union(self):
+        """Both orders: the pair one process takes on all the update's tokens, one all-reduce."""
+        for name, args in (("update", ARGS), ("authors", {**ARGS, "search_order": "lower_first"})):
+            union = single_process_pair(args, self.batches)
+            for record in self.ranks:
+                self.assertEqual(record[name]["pairs"], [union] * 2, name)
+                self.assertEqual(record[name]["all_reduces"], 1, name)
+
+    def test_without_sync_each_rank_takes_its_own_update_pair(self):
+        """The control: alone, each rank decides on its own update's tokens, and they differ."""
+        alone = [single_process_pair(ARGS, [batch]) for batch in self.batches]
+        self.assertNotEqual(alone[0], alone[1])
+        self.assertEqual(
+            [record["alone"]["pairs"] for record in self.ranks], [[p] * 2 for p in alone]
+        )
+        self.assertEqual([record["alone"]["all_reduces"] for record in self.ranks], [0, 0])
+
+    def test_deciding_at_each_call_would_leave_the_update_pair(self):
+        """The data can tell: some call's tokens over both ranks choose another pair."""
+        union = single_process_pair(ARGS, self.batches)
+        per_call = [
+            single_process_pair(
+                ARGS,
+                [
+                    {key: value[k * rows : (k + 1) * rows] for key, value in batch.items()}
+                    for batch, rows in zip(self.batches, (SHAPES[0][2], SHAPES[1][2]))
+                ],
+            )
+            for k in range(2)
+        ]
+        self.assertNotEqual(per_call, [union] * 2)
+
+    def test_without_the_hook_bapo_raises_on_every_rank(self):
+        """No pass ran: BAPO refuses to decide per call in its place."""
+        for record in self.ranks:
+            self.assertRegex(record["unhooked"]["raised"], "^RuntimeError: BAPO: .*pass")
+
+    def test_one_rank_failing_in_the_pass_makes_every_rank_raise(self):
+        """Rank 1's bad inputs raise there; rank 0 raises BAPO's error; the group goes on."""
+        self.assertRegex(self.ranks[0]["failure"]["raised"], "^RuntimeError: BAPO: .*another rank")
+        self.assertNotRegex(self.ranks[1]["failure"]["raised"], "another rank")
+        union = single_process_pair(ARGS, self.batches)
+        self.assertEqual([record["after"]["pairs"] for record in self.ranks], [[union] * 2] * 2)
+
+
+if __name__ == "__main__":
+    unittest.main()
