@@ -168,7 +168,16 @@ def call(low, high, group=(0, 1)):
 
 def test_agreement_counts_the_calls_where_ranks_chose_apart():
     same = agreement([[call(0.6, 1.2), call(0.7, 3.0)], [call(0.6, 1.2), call(0.7, 3.0)]])
-    assert same == dict(calls_per_rank=[2, 2], ranks_agree=True, calls_apart=0, groups=[(0, 1)])
+    assert same == dict(
+        calls_per_rank=[2, 2],
+        pass_calls_per_rank=[0, 0],
+        ranks_agree=True,
+        calls_apart=0,
+        groups=[(0, 1)],
+    )
+    passes = [dict(call(0.6, 1.2), metrics={}), call(0.7, 3.0)]  # a pass call chooses nothing
+    counted = agreement([passes, [call(0.7, 3.0)]])
+    assert (counted["calls_per_rank"], counted["pass_calls_per_rank"]) == ([1, 1], [1, 0])
     apart = agreement([[call(0.6, 1.2), call(0.7, 3.0)], [call(0.6, 1.25), call(0.7, 3.0)]])
     assert (apart["ranks_agree"], apart["calls_apart"]) == (False, 1)
     assert agreement([[call(0.6, 1.2)], [call(0.6, 1.2), call(0.6, 1.2)]])["ranks_agree"] is False

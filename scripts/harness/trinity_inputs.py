@@ -135,8 +135,8 @@ def write_config(out: Path, steps: int, sync: bool, scope: str = "micro_batch") 
     for section in ("explorer", "synchronizer", "buffer", "model"):
         del config[section]
     sizes = dict(ranks=RANKS, group=GROUP, groups=GROUPS_PER_STEP, batch=GROUP * GROUPS_PER_STEP)
-    sizes.update(out=out, steps=steps, sync=str(sync).lower(), scope=scope, name=run_name(sync))
-    run = CPU_RUN.format(**sizes)
+    settings = dict(out=out, steps=steps, sync=str(sync).lower(), scope=scope, name=run_name(sync))
+    run = CPU_RUN.format(**sizes, **settings)
     path = out / "config.yaml"
     path.write_text(yaml.safe_dump(merged(config, yaml.safe_load(run)), sort_keys=False))
     return path
