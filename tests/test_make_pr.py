@@ -487,3 +487,11 @@ def test_bapo_holds_the_module_without_search_scope_and_the_fourth_adds_it(
     assert literal_default_args(ours)["search_scope"] == "micro_batch"
     tree = patched_tree("bapo-update-scope", written, tmp_path_factory)
     assert (tree / MODULE).read_text() == ours
+
+
+def test_pull_request_tests_name_the_unit_of_every_timedelta():
+    """``timedelta(60)`` is 60 days: a test's timeouts say their unit."""
+    tests = [rel for _, files, _ in PULL_REQUESTS.values() for rel in files if "tests/" in rel]
+    assert len(tests) >= 5
+    for rel in tests:
+        assert not re.search(r"timedelta\(\s*\d", (REPO / rel).read_text()), rel

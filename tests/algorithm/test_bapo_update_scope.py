@@ -156,7 +156,11 @@ def run_rank(rank, store):
     """One rank: updates with and without the hook, sync off, and a failing pass."""
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=timedelta(60)
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=60),
     )
     batch, bad = rank_batch(rank), rank_batch(rank, seed=1)
     if rank == 1:
