@@ -24,9 +24,10 @@ $(DEPS_STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m pip install --quiet -c constraints.txt ".[test,lint]"
 	touch $@
 
-# The test files run on one worker per core (pytest-xdist), a file's tests on one worker.
+# The test files run on one worker per core (pytest-xdist), a file's tests on one worker, in
+# the order tests/conftest.py collects them (the slowest first).
 test: setup
-	$(PYTHON) -m pytest -n auto --dist loadfile $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -n auto --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # Trinity-RFT's checks: black, isort, flake8 with docstrings (.flake8), mypy (pyproject.toml).
 # trinity/ ships upstream, where Python 3.10 is the floor: a second mypy pass reads typeshed's
