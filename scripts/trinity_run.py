@@ -8,6 +8,9 @@ CPU stand-ins (``scripts/harness/cpu.py``) and record each rank's loss calls.
 ``trinity run`` exits 0 even when training fails, so success is read from what it logged: one
 ``Step N:`` line per requested step. Prints a line per step, then one JSON line; exits 1 when a
 step or the checkpoint is missing, or when the ranks chose apart with the sync on.
+
+``--mode both`` runs Trinity's asynchronous loop instead, a vLLM explorer beside the trainer
+(``scripts/trinity_both.py``), in the environment of ``make setup-vllm``.
 """
 
 import argparse
@@ -22,12 +25,21 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 from scripts.harness.cpu import CALL_LOG_ENV, STAND_INS_ENV
 from scripts.harness.launch import PINNED_NUMERICS, REPO
 from scripts.harness.ray_local import kill_ray, start_ray, stop_ray
-from scripts.harness.trinity_inputs import RANKS, build_model, fill_buffer, run_name, write_config
+from scripts.harness.trinity_inputs import (
+    GROUPS_PER_STEP,
+    RANKS,
+    Rollout,
+    build_model,
+    fill_buffer,
+    run_name,
+    write_config,
+    write_tasks,
+)
 
 STEP_LINE = re.compile(r"Step (\d+): (\{.*\})")
 METRIC = re.compile(r"'([^']+)': ([^,}]+)")
@@ -37,26 +49,42 @@ PAIR_KEYS = ("actor/bapo_clip_low", "actor/bapo_clip_high", "actor/bapo_positive
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3, help="training steps (16 sequences each)")
-    parser.add_argument("--out", type=Path, default=REPO / "runs" / "trinity-run")
+    parser.add_argument(
+        "--mode", choices=("train", "both"), default="train", help="from a buffer, or explore too"
+    )
+    parser.add_argument("--steps", type=int, help="training steps of 16 sequences (3; both: 4)")
+    parser.add_argument("--out", type=Path, help="runs/trinity-run (both: runs/trinity-run-both)")
     parser.add_argument(
         "--no-sync", action="store_true", help="sync_across_dp: false (the ranks may disagree)"
     )
     parser.add_argument(
         "--search-scope", choices=("micro_batch", "update"), default="micro_batch", help="BAPO's"
     )
-    parser.add_argument("--timeout", type=float, default=600, help="seconds for `trinity run`")
+    parser.add_argument("--sync-interval", type=int, default=2, help="mode both: sync_interval")
+    parser.add_argument("--sync-offset", type=int, default=1, help="mode both: sync_offset")
+    parser.add_argument(
+        "--no-stand-ins", action="store_true", help="mode both: vLLM without the CPU stand-ins"
+    )
+    parser.add_argument("--timeout", type=float, help="seconds for `trinity run` (600; both: 900)")
     args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error(f"--steps must be at least 1, got {args.steps}")
+    both = args.mode == "both"
+    args.steps = (4 if both else 3) if args.steps is None else args.steps
+    args.out = args.out or REPO / "runs" / ("trinity-run-both" if both else "trinity-run")
+    args.timeout = args.timeout or (900 if both else 600)
+    for name, least in (("steps", 1), ("sync_interval", 1), ("sync_offset", 0)):
+        if getattr(args, name) < least:
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag} must be at least {least}, got {getattr(args, name)}")
     return args
 
 
-def run_trinity(config_path: Path, env: Dict[str, str], log_path: Path, steps: int, timeout_s):
-    """``trinity run``, a progress line per ``Step N:`` it logs; (exit code, metrics per step)."""
+def run_trinity(config_path: Path, env: Dict[str, str], log_path: Path, timeout_s, show) -> tuple:
+    """``trinity run``, calling ``show(step, metrics)`` at each ``Step N:`` line it logs.
+
+    Returns the exit code and the (step, metrics) of every such line, in order.
+    """
     trinity = str(Path(sys.executable).parent / "trinity")
-    logged: Dict[int, Dict[str, float]] = {}
-    started = time.monotonic()
+    logged: List[Tuple[int, Dict[str, float]]] = []
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [trinity, "run", "--config", str(config_path)],
@@ -73,20 +101,29 @@ def run_trinity(config_path: Path, env: Dict[str, str], log_path: Path, steps: i
                 log.write(line)
                 found = STEP_LINE.search(line)
                 if found:
-                    step = int(found.group(1))
-                    logged[step] = numbers(found.group(2))
-                    low, high, rho = (logged[step].get(key, math.nan) for key in PAIR_KEYS)
-                    seconds = time.monotonic() - started
-                    print(
-                        f"step {step}/{steps}: clip ({low:.3f}, {high:.3f}), rho {rho:.3f}, "
-                        f"{seconds:.0f} s into trinity run",
-                        flush=True,
-                    )
+                    logged.append((int(found.group(1)), numbers(found.group(2))))
+                    show(*logged[-1])
         finally:
             kill.cancel()
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     return proc.wait(), logged
+
+
+def progress(steps: int):
+    """What ``run_trinity`` shows of a trainer step: the pair, rho, the time since it started."""
+    started = time.monotonic()
+
+    def show(step: int, metrics: Dict[str, float]) -> None:
+        low, high, rho = (metrics.get(key, math.nan) for key in PAIR_KEYS)
+        seconds = time.monotonic() - started
+        print(
+            f"step {step}/{steps}: clip ({low:.3f}, {high:.3f}), rho {rho:.3f}, "
+            f"{seconds:.0f} s into trinity run",
+            flush=True,
+        )
+
+    return show
 
 
 def numbers(logged: str) -> Dict[str, float]:
@@ -136,14 +173,21 @@ def checkpoint(out: Path, name: str, steps: int) -> str:
     return str(found[0].relative_to(out)) if found and any(found[0].iterdir()) else ""
 
 
-def prepare(out: Path, steps: int, sync: bool, scope: str) -> Path:
-    """The run's folder, emptied, with the model, the config and the filled buffer; the config."""
+def prepare(out: Path, steps: int, sync: bool, scope: str, rollout: Optional[Rollout] = None):
+    """The run's folder, emptied, with the model, config, and buffer or task set; the config.
+
+    The buffer is filled in ``mode: train``; given a ``rollout`` (``mode: both``), the explorer's
+    task set is written instead.
+    """
     kill_ray(out / "ray")  # a run owns its folder: no Ray, buffer or checkpoint is reused
     shutil.rmtree(out, ignore_errors=True)
     (out / "calls").mkdir(parents=True)
-    build_model(out / "model")
-    config_path = write_config(out, steps, sync, scope)
-    fill_buffer(config_path, steps)
+    build_model(out / "model", rollout=rollout is not None)
+    config_path = write_config(out, steps, sync, scope, rollout)
+    if rollout is None:
+        fill_buffer(config_path, steps)
+    else:
+        write_tasks(out / "tasks", steps * GROUPS_PER_STEP)
     return config_path
 
 
@@ -185,16 +229,21 @@ def exit_code(result: dict) -> int:
 def main(argv=None) -> int:
     """Build, start Ray, run ``trinity run``, stop Ray, report."""
     args = parse_args(argv)
+    if args.mode == "both":
+        from scripts.trinity_both import run_both  # which builds on this module
+
+        return run_both(args)
     started, out, sync = time.monotonic(), args.out.resolve(), not args.no_sync
     config_path = prepare(out, args.steps, sync, args.search_scope)
     print(f"inputs built under {out}; starting Ray and `trinity run`", flush=True)
     head = start_ray(out / "ray", RANKS, worker_env(out))
     try:
         env = {**head.env, **PINNED_NUMERICS, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-        code, logged = run_trinity(config_path, env, out / "trinity.log", args.steps, args.timeout)
+        show = progress(args.steps)
+        code, lines = run_trinity(config_path, env, out / "trinity.log", args.timeout, show)
     finally:
         stop_ray(head)
-    result = report(out, args.steps, sync, code, logged)
+    result = report(out, args.steps, sync, code, dict(lines))
     result["search_scope"] = args.search_scope
     result["seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps(result), flush=True)

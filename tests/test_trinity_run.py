@@ -205,22 +205,37 @@ def test_exit_code_is_1_unless_the_run_is_whole(change, code):
 
 
 def test_stand_ins_are_inert_unless_the_launcher_turns_them_on(monkeypatch):
+    from importlib import metadata
+
     from scripts.harness import cpu
 
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
-    before = list(sys.meta_path)
+    monkeypatch.setattr(metadata, "version", metadata.version)
+    before, lookup = list(sys.meta_path), metadata.version
     for off in (None, "0", ""):
-        if off is None:
-            monkeypatch.delenv(cpu.STAND_INS_ENV, raising=False)
-        else:
-            monkeypatch.setenv(cpu.STAND_INS_ENV, off)
+        for switch in (cpu.STAND_INS_ENV, cpu.VLLM_STAND_INS_ENV):
+            if off is None:
+                monkeypatch.delenv(switch, raising=False)
+            else:
+                monkeypatch.setenv(switch, off)
         cpu.install_from_env()
-        assert sys.meta_path == before
+        assert sys.meta_path == before and metadata.version is lookup
     monkeypatch.setenv(cpu.STAND_INS_ENV, "1")
     cpu.install_from_env()
     hook = sys.meta_path[0]
     assert isinstance(hook, cpu.AfterImport) and hook.name == cpu.WORKERS_MODULE
-    assert hook.then is cpu.ray_worker_stand_ins
+    assert hook.then is cpu.ray_worker_stand_ins and metadata.version is lookup
+    monkeypatch.setenv(cpu.VLLM_STAND_INS_ENV, "1")
+    monkeypatch.setenv(cpu.STAND_INS_ENV, "0")
+    cpu.install_from_env()
+    hooks = {(h.name, h.then) for h in sys.meta_path[:2] if isinstance(h, cpu.AfterImport)}
+    assert hooks == {
+        (cpu.VLLM_WORKER_MODULE, cpu.vllm_cpu_worker),
+        (cpu.TRANSFER_MODULE, cpu.checkpoint_transfer_alone),
+    }
+    assert metadata.version("torch") == lookup("torch")  # other distributions as before
+    with pytest.raises(metadata.PackageNotFoundError, match="vllm-cpu"):
+        metadata.version("vllm")  # asked of the CPU build, which this environment lacks
 
 
 def test_the_hook_runs_once_after_its_module_has_executed(tmp_path, monkeypatch):
@@ -239,3 +254,80 @@ def test_the_hook_runs_once_after_its_module_has_executed(tmp_path, monkeypatch)
 
     assert seen == [41] and not any(isinstance(f, AfterImport) for f in sys.meta_path)
     monkeypatch.delitem(sys.modules, "watched_by_the_hook")
+
+
+BOTH = dict(WHOLE, requested_steps=2, steps=[1, 2], clip_pairs=[[0.6, 1.2], [0.7, 2.0]], syncs=1)
+
+
+@pytest.mark.parametrize(
+    "change, code",
+    [
+        ({}, 0),
+        ({"syncs": 0}, 1),  # the explorer never reloaded a trainer checkpoint
+        ({"steps": [1]}, 1),
+        ({"clip_pairs": [[0.6, 1.2], [None, None]]}, 1),  # a step without BAPO's pair
+        ({"checkpoint": ""}, 1),
+        ({"trinity_exit": 1}, 1),
+        ({"ranks_agree": False}, 1),
+    ],
+)
+def test_mode_both_exits_1_unless_the_loop_is_whole(change, code):
+    from scripts.trinity_both import exit_code as both_exit_code
+
+    assert both_exit_code({**BOTH, **change}) == code
+
+
+def test_mode_both_splits_the_trainers_step_lines_from_the_explorers():
+    from scripts.trinity_both import split_roles
+
+    lines = [
+        (1, {"rollout/model_version": 0.0, "rollout/reward/mean": 0.5}),
+        (1, {"explore/time/sync_interval": 3.0}),  # a second explorer line of the same step
+        (1, {"actor/bapo_clip_low": 0.6, "sample/model_version/min": 0.0}),
+        (2, {"rollout/model_version": 2.0}),
+    ]
+    trainer, explorer = split_roles(lines)
+    assert trainer == {1: {"actor/bapo_clip_low": 0.6, "sample/model_version/min": 0.0}}
+    assert explorer == {
+        1: {
+            "rollout/model_version": 0.0,
+            "rollout/reward/mean": 0.5,
+            "explore/time/sync_interval": 3.0,
+        },
+        2: {"rollout/model_version": 2.0},
+    }
+
+
+def test_the_parity_reward_is_the_share_of_words_of_the_tasks_parity():
+    from scripts.harness.trinity_inputs import ParityReward
+
+    reward = ParityReward()
+    assert reward(response="w2 w3 w10 w7", truth="even") == {"parity": 0.5}
+    assert reward(response="w3 w5 w4 <eos>", truth="odd") == {"parity": 2 / 3}
+    assert reward(response="", truth="odd") == {"parity": 0.0}
+
+
+def test_mode_both_config_passes_trinitys_checks_with_the_staleness_asked_for(tmp_path):
+    from scripts.harness.trinity_inputs import Rollout, write_config, write_tasks
+    from trinity.common.config import load_config
+
+    write_tasks(tmp_path / "tasks", 8)
+    tasks = [
+        json.loads(line)
+        for line in (tmp_path / "tasks" / "train.jsonl").read_text().split("\n")
+        if line
+    ]
+    assert [t["answer"] for t in tasks[:2]] == ["even", "odd"]
+    assert [t["question"].split()[0] for t in tasks[:2]] == ["w2", "w3"]
+    config = load_config(str(write_config(tmp_path, 4, True, rollout=Rollout(3, 1))))
+    config = config.check_and_update()
+    assert config.mode == "both" and config.algorithm.algorithm_type == "bapo"
+    assert (config.synchronizer.sync_method.value, config.synchronizer.sync_interval) == (
+        "checkpoint",
+        3,
+    )
+    assert config.synchronizer.sync_offset == 1 and config.explorer.rollout_model.engine_num == 1
+    assert (
+        config.cluster.gpu_per_node == 3
+        and config.buffer.trainer_input.experience_buffer.storage_type == "queue"
+    )

@@ -1,11 +1,13 @@
-"""The CPU stand-ins: what verl's engine and Trinity's trainer ranks lack on a machine without CUDA.
+"""The CPU stand-ins: what verl's engine, Trinity's trainers and vLLM explorer lack without CUDA.
 
 One home for the tests, which call ``cpu_stand_ins`` in their own ranks, and for the Ray worker
 processes of ``make trinity-run``, where ``ray_site/sitecustomize.py`` calls ``install_from_env``:
-inert unless the launcher sets ``STAND_INS_ENV``, and then applied only once Trinity's verl
-workers module is imported (in verl's ``WorkerDict`` ranks and the trainer that spawns them),
-so Ray's other processes import nothing more. Nothing here edits an installed file; each
-stand-in replaces one attribute in the running process.
+inert unless the launcher sets ``STAND_INS_ENV`` (the trainer's) or ``VLLM_STAND_INS_ENV`` (the
+explorer's), and then applied only once the module they change is imported (Trinity's verl
+workers module in verl's ``WorkerDict`` ranks and the trainer that spawns them; Trinity's vLLM
+worker and weight-transfer modules in vLLM's processes), so Ray's other processes import nothing
+more. Nothing here edits an installed file; each stand-in replaces one attribute in the running
+process.
 """
 
 import importlib.abc
@@ -17,7 +19,10 @@ from typing import Callable
 
 STAND_INS_ENV = "BAPO_CPU_STAND_INS"  # "1": the Ray workers take the stand-ins
 CALL_LOG_ENV = "BAPO_CALL_LOG"  # a folder: each rank appends its loss calls to rank<N>.jsonl
+VLLM_STAND_INS_ENV = "BAPO_VLLM_STAND_INS"  # "1": the Ray workers take the explorer's stand-ins
 WORKERS_MODULE = "trinity.trainer.verl.workers"
+VLLM_WORKER_MODULE = "trinity.common.models.vllm_worker"
+TRANSFER_MODULE = "trinity.common.models.vllm_extension"
 
 
 def cpu_stand_ins(fsdp1: bool = False, worker: bool = False) -> None:
@@ -76,6 +81,74 @@ def record_loss_calls(folder: Path) -> None:
     TrinityPolicyLoss.__init__ = build_recorded  # type: ignore[method-assign]
 
 
+def vllm_cpu_worker() -> None:
+    """The CPU worker of vLLM in place of Trinity's ``TrinityGPUWorker``, which vLLM is told to use.
+
+    The stand-in keeps what Trinity's worker adds: its patches, and its checkpoint weight
+    transfer engine registered before the model loads.
+    """
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    from trinity.common.models import vllm_worker
+    from trinity.common.models.vllm_extension import register_checkpoint_weight_transfer_engine
+
+    class TrinityCPUWorker(CPUWorker):
+        apply_patches = vllm_worker.TrinityGPUWorker.apply_patches
+
+        def load_model(self, *args, **kwargs):
+            register_checkpoint_weight_transfer_engine()
+            return super().load_model(*args, **kwargs)
+
+    vllm_worker.TrinityGPUWorker = TrinityCPUWorker  # type: ignore[misc]
+
+
+def checkpoint_transfer_alone() -> None:
+    """Trinity's checkpoint transfer engine without its NCCL group: rank 0 loads the checkpoint.
+
+    Under ``sync_method: checkpoint`` that engine still builds an NCCL group of the explorer's
+    ranks, and rank 0 broadcasts the weights to the others on CUDA. With one engine of tensor
+    parallel size 1 rank 0 is the only rank, so it loads the checkpoint on the CPU itself.
+    """
+    from trinity.common.models.utils import load_state_dict_iterator
+    from trinity.common.models.vllm_extension import CheckpointWeightTransferEngine as Engine
+
+    def init_alone(self, init_info) -> None:
+        if init_info.world_size != 1 or init_info.sync_method != "checkpoint":
+            raise RuntimeError(
+                "the CPU stand-in loads checkpoints on one vLLM engine of tensor parallel size 1 "
+                f"(sync_method: checkpoint); got world size {init_info.world_size}, sync_method "
+                f"{init_info.sync_method}"
+            )
+        self.model_update_group = None
+
+    def load_alone(self, update_info, load_weights) -> None:
+        if update_info.checkpoint_path is None:
+            raise ValueError("checkpoint_path must be provided for checkpoint sync method")
+        load_weights(list(load_state_dict_iterator(checkpoint_dir=update_info.checkpoint_path)))
+
+    Engine.init_transfer_engine = init_alone  # type: ignore[method-assign]
+    Engine.receive_weights = load_alone  # type: ignore[method-assign]
+
+
+def vllm_distribution() -> None:
+    """The version of the distribution ``vllm``, which verl asks for, is the CPU build's.
+
+    That build installs the ``vllm`` package as the distribution ``vllm-cpu``; the answer is
+    vLLM's own for it (its platform check reads ``vllm-cpu``'s version with ``+cpu`` appended,
+    and takes the CPU platform only where the version names it).
+    """
+    from importlib import metadata
+
+    lookup = metadata.version
+
+    def version(distribution_name: str) -> str:
+        if distribution_name == "vllm":
+            return f"{lookup('vllm-cpu')}+cpu"
+        return lookup(distribution_name)
+
+    metadata.version = version
+
+
 class AfterImport(importlib.abc.MetaPathFinder):
     """Runs ``then`` once, right after module ``name`` has been executed (a post-import hook)."""
 
@@ -100,6 +173,10 @@ class AfterImport(importlib.abc.MetaPathFinder):
 
 
 def install_from_env() -> None:
-    """Arm ``ray_worker_stand_ins`` for this process where ``STAND_INS_ENV`` is "1"."""
+    """Arm the stand-ins switched on: the trainer's (``STAND_INS_ENV``), the explorer's."""
     if os.environ.get(STAND_INS_ENV) == "1":
         sys.meta_path.insert(0, AfterImport(WORKERS_MODULE, ray_worker_stand_ins))
+    if os.environ.get(VLLM_STAND_INS_ENV) == "1":
+        vllm_distribution()
+        sys.meta_path.insert(0, AfterImport(VLLM_WORKER_MODULE, vllm_cpu_worker))
+        sys.meta_path.insert(0, AfterImport(TRANSFER_MODULE, checkpoint_transfer_alone))

@@ -1,4 +1,4 @@
-"""Causal LMs built in code, nothing downloaded: the tasks' tiny Llama, its sampler, a Qwen2."""
+"""Causal LMs built in code, nothing downloaded: the tiny Llama, its sampler, Qwen2, OLMo-2."""
 
 from pathlib import Path
 from typing import Any, Dict
@@ -7,11 +7,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import (
+    AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
-    Qwen2ForCausalLM,
 )
 
 from scripts.harness.tasks import EOS, MAX_POSITIONS, PAD, RESPONSE_LEN, VOCAB_SIZE
@@ -30,14 +31,19 @@ def build_model(seed: int, hidden: int = 64) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def build_qwen2(shape: Dict[str, Any], dtype: torch.dtype, device: Any) -> Qwen2ForCausalLM:
-    """A random Qwen2 causal LM of ``shape`` (``Qwen2Config`` arguments), seed 0, on ``device``.
+def build_qwen2(shape: Dict[str, Any], dtype: torch.dtype, device: Any) -> PreTrainedModel:
+    """A random Qwen2 causal LM of ``shape`` (``Qwen2Config`` arguments)."""
+    return build_random(Qwen2Config(**shape), dtype, device)
+
+
+def build_random(config: PretrainedConfig, dtype: torch.dtype, device: Any) -> PreTrainedModel:
+    """A random causal LM of ``config``, seed 0, on ``device``.
 
     Its weights are made on ``device``, so a 0.5B model needs no float32 copy in host memory.
     """
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen2ForCausalLM(Qwen2Config(**shape))
+        model = AutoModelForCausalLM.from_config(config)
     return model.to(dtype=dtype)  # type: ignore[call-arg]  # mypy misreads transformers' `to`
 
 

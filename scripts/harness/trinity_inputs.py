@@ -1,27 +1,45 @@
 """What ``make trinity-run`` trains on, built from code with nothing downloaded.
 
-A tiny random Qwen2 with a word-level tokenizer; a sqlite experience buffer of GRPO groups whose
-rollout log-probs are stale (they differ from the model's, so the clip search has work to do),
-written through Trinity's own storage; and the example ``examples/bapo_gsm8k/gsm8k.yaml`` with
-what a CPU and this buffer need written over it (``mode: train``, 2 trainer ranks).
+From a buffer (``mode: train``): a tiny random Qwen2 with a word-level tokenizer; a sqlite
+experience buffer of GRPO groups whose rollout log-probs are stale (they differ from the model's,
+so the clip search has work to do), written through Trinity's own storage.
+
+With an explorer (``mode: both``): a tiny random OLMo-2 whose heads of 64 vLLM's CPU attention
+accepts (it refuses the Qwen2's heads of 8), with the same tokenizer; a task set of word prompts
+and a rule reward (``ParityReward``) that Trinity's ``simple_workflow`` scores the rollouts with.
+
+Either way the config is the example ``examples/bapo_gsm8k/gsm8k.yaml`` with what a CPU needs
+written over it (2 trainer ranks; in ``mode: both`` one vLLM engine beside them).
 """
 
 import asyncio
+import json
 import math
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, NamedTuple, Optional
 
 import yaml
 
 from scripts.harness.launch import REPO
+from trinity.common.rewards.reward_fn import RewardFn
 
 EXAMPLE = REPO / "examples" / "bapo_gsm8k" / "gsm8k.yaml"
 RANKS, GROUP, GROUPS_PER_STEP = 2, 4, 4  # trainer ranks; GRPO group size; groups per step
+
+
+class Rollout(NamedTuple):
+    """How stale ``mode: both`` makes the trained rollouts (Trinity's synchronizer settings)."""
+
+    interval: int  # sync_interval: steps between two reloads of the trainer's checkpoint
+    offset: int  # sync_offset: steps the explorer runs ahead of the trainer
+
+
 VOCAB, PAD, EOS = 64, 0, 1
-# Over the example: train from the sqlite buffer on 2 ranks, with what a CPU needs. verl reads
+PARITIES = ("even", "odd")  # a task's truth in mode: both
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # the words, as they are
+# Over the example, in either mode: 2 trainer ranks with what a CPU needs. verl reads
 # trainer_config's model and actor keys; Trinity takes use_remove_padding from trainer alone.
-CPU_RUN = """\
-mode: train
+CPU_TRAINER = """\
 project: bapo-trinity-run
 name: {name}
 checkpoint_root_dir: {out}/checkpoints
@@ -36,21 +54,10 @@ algorithm:
     search_scope: {scope}
 model:
   model_path: {out}/model
-  max_response_tokens: 8
-  max_model_len: 16
-cluster:
-  node_num: 1
-  gpu_per_node: {ranks}
 buffer:
   total_epochs: 1
   batch_size: {groups}
   train_batch_size: {batch}
-  trainer_input:
-    experience_buffer:
-      name: bapo_buffer
-      storage_type: sql
-      path: sqlite:///{out}/buffer.db
-      max_read_timeout: 30
 trainer:
   trainer_strategy: fsdp2
   total_steps: {steps}
@@ -70,29 +77,122 @@ trainer:
           reduce_dtype: fp32
           buffer_dtype: fp32
 """
+# mode: train, from the sqlite buffer that fill_buffer writes
+FROM_BUFFER = """\
+mode: train
+model:
+  max_response_tokens: 8
+  max_model_len: 16
+cluster:
+  node_num: 1
+  gpu_per_node: {ranks}
+buffer:
+  trainer_input:
+    experience_buffer:
+      name: bapo_buffer
+      storage_type: sql
+      path: sqlite:///{out}/buffer.db
+      max_read_timeout: 30
+"""
+# mode: both: one vLLM engine on a GPU slot of its own explores the task set, the trainer reads
+# its rollouts from a queue, and the explorer reloads the trainer's checkpoint every
+# sync_interval steps while running sync_offset steps ahead: the trained rollouts are stale.
+WITH_EXPLORER = """\
+mode: both
+model:
+  max_response_tokens: 8
+  max_model_len: 32
+cluster:
+  node_num: 1
+  gpu_per_node: {gpus}
+buffer:
+  explorer_input:
+    taskset:
+      name: parity
+      path: {out}/tasks
+      subset_name: null
+    eval_tasksets: []
+    default_workflow_type: simple_workflow
+    default_reward_fn_type: scripts.harness.trinity_inputs.ParityReward
+  trainer_input:
+    experience_buffer:
+      name: bapo_queue
+explorer:
+  runner_per_model: 2
+  rollout_model:
+    engine_num: 1
+synchronizer:
+  sync_method: checkpoint
+  sync_interval: {interval}
+  sync_offset: {offset}
+  sync_timeout: 300
+"""
 
 
-def build_model(folder: Path) -> None:
-    """A random 2-layer Qwen2 (hidden 32, vocabulary 64) and a word-level tokenizer, saved."""
+def build_model(folder: Path, rollout: bool = False) -> None:
+    """A random 2-layer causal LM and a word-level tokenizer (vocabulary 64), saved.
+
+    A Qwen2 of hidden 32 to train from the buffer; for vLLM to roll out (``rollout``), an OLMo-2
+    of hidden 128 in 2 heads of 64. The tokenizer is saved as the generic fast class, which
+    transformers loads as it is (a ``qwen2`` one it would load as its BPE class, which encodes
+    these words to nothing), with a chat template that joins the messages' words.
+    """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import Olmo2Config, PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config
 
-    from scripts.harness.model import build_qwen2
+    from scripts.harness.model import build_random
 
-    shape: Dict[str, Any] = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2
-    )
-    shape.update(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    shape: Dict[str, Any] = dict(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=64)
     shape.update(pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None)
-    build_qwen2(shape, torch.float32, "cpu").save_pretrained(str(folder))
+    config: PretrainedConfig
+    if rollout:
+        config = Olmo2Config(hidden_size=128, intermediate_size=256, num_attention_heads=2, **shape)
+    else:
+        shape.update(hidden_size=32, intermediate_size=64, num_key_value_heads=2)
+        config = Qwen2Config(num_attention_heads=4, **shape)
+    build_random(config, torch.float32, "cpu").save_pretrained(str(folder))
     vocab = {"<pad>": PAD, "<eos>": EOS, **{f"w{i}": i for i in range(2, VOCAB)}}
     words = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=words, pad_token="<pad>", eos_token="<eos>"
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(str(folder))
+
+
+class ParityReward(RewardFn):
+    """The rule reward of ``mode: both``: the share of the response's words of the task's parity.
+
+    A task's truth is "even" or "odd", which its prompt's first word tells (``w2`` or ``w3``);
+    word ``w<i>`` has the parity of ``i``. A random policy earns about 0.5, with a spread within
+    each group, so GRPO's advantages are not all zero.
+    """
+
+    def __init__(self, **kwargs) -> None:
+        """No arguments."""
+
+    def __call__(self, response: str, truth: str, **kwargs) -> Dict[str, float]:  # type: ignore
+        """``{"parity": share}`` over the response's words, 0 where it has none."""
+        indices = [int(word[1:]) for word in response.split() if word[1:].isdigit()]
+        wanted = PARITIES.index(truth)
+        return {"parity": sum(i % 2 == wanted for i in indices) / max(len(indices), 1)}
+
+
+def write_tasks(folder: Path, count: int, seed: int = 0) -> None:
+    """``count`` tasks of 3 to 5 random words after the parity's, alternately even and odd."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    folder.mkdir(parents=True)
+    with open(folder / "train.jsonl", "w") as tasks:
+        for task in range(count):
+            parity = task % 2
+            length = int(torch.randint(3, 6, (1,), generator=gen))
+            words = torch.randint(2, VOCAB, (length,), generator=gen)
+            question = " ".join(f"w{i}" for i in [2 + parity, *words.tolist()])
+            tasks.write(json.dumps({"question": question, "answer": PARITIES[parity]}) + "\n")
 
 
 def experiences(steps: int, seed: int = 0) -> list:
@@ -129,16 +229,27 @@ def experiences(steps: int, seed: int = 0) -> list:
     return GRPOGroupedAdvantage().process(made)[0]
 
 
-def write_config(out: Path, steps: int, sync: bool, scope: str = "micro_batch") -> Path:
-    """The example config, its rollout sections dropped and ``CPU_RUN`` written over it."""
+def write_config(
+    out: Path, steps: int, sync: bool, scope: str = "micro_batch", rollout: Optional[Rollout] = None
+) -> Path:
+    """The example config with ``CPU_TRAINER`` written over it, then a mode's settings.
+
+    ``FROM_BUFFER`` with the example's rollout sections dropped, or, given a ``rollout``,
+    ``WITH_EXPLORER`` with its sync_interval and sync_offset.
+    """
     config = yaml.safe_load(EXAMPLE.read_text())
-    for section in ("explorer", "synchronizer", "buffer", "model"):
-        del config[section]
     sizes = dict(ranks=RANKS, group=GROUP, groups=GROUPS_PER_STEP, batch=GROUP * GROUPS_PER_STEP)
     settings = dict(out=out, steps=steps, sync=str(sync).lower(), scope=scope, name=run_name(sync))
-    run = CPU_RUN.format(**sizes, **settings)
+    if rollout is None:
+        for section in ("explorer", "synchronizer", "buffer", "model"):
+            del config[section]
+        mode = FROM_BUFFER.format(**sizes, **settings)
+    else:
+        mode = WITH_EXPLORER.format(out=out, gpus=RANKS + 1, **rollout._asdict())
+    for over in (CPU_TRAINER.format(**sizes, **settings), mode):
+        config = merged(config, yaml.safe_load(over))
     path = out / "config.yaml"
-    path.write_text(yaml.safe_dump(merged(config, yaml.safe_load(run)), sort_keys=False))
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
 

@@ -1,0 +1,170 @@
+"""``make trinity-run TRINITY_RUN_ARGS="--mode both"``: Trinity's asynchronous loop on CPUs.
+
+``trinity run --config`` in ``mode: both``: one vLLM engine explores a task set built in code and
+scores it with a rule reward; 2 FSDP2 ranks train BAPO on its rollouts from a queue; with
+``sync_method: checkpoint`` the explorer reloads the trainer's checkpoint every ``sync_interval``
+steps while running ``sync_offset`` steps ahead, so the trained rollouts are stale. The Ray of
+``scripts/trinity_run.py`` runs it with a GPU slot more for the engine; its workers take the
+trainer's CPU stand-ins and the explorer's (``scripts/harness/cpu.py``), and not our pinned
+numerics, under which vLLM's compiled CPU sampler does not build.
+
+Read from Trinity's log: the trainer's ``Step N:`` lines (BAPO's pair and rho, the versions of
+the samples trained on: ``sample/model_version/*``) and the explorer's (``rollout/model_version``,
+the version it rolled out with). Prints a line per trainer step, then one JSON line; exits 1 when
+a step, a reload of a trainer checkpoint or the last checkpoint is missing, or when the ranks
+chose apart with the sync on.
+"""
+
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from scripts.harness.cpu import VLLM_STAND_INS_ENV
+from scripts.harness.launch import PINNED_NUMERICS, REPO
+from scripts.harness.ray_local import start_ray, stop_ray
+from scripts.harness.trinity_inputs import RANKS, Rollout
+from scripts.trinity_run import (
+    PAIR_KEYS,
+    agreement,
+    checkpoint,
+    prepare,
+    rank_calls,
+    run_name,
+    run_trinity,
+    worker_env,
+)
+
+ERROR = re.compile(r"(\w+(?:Error|Exception): .+)$")  # a traceback's last line
+VERSIONS = ("sample/model_version/min", "sample/model_version/max")  # of a trained batch
+EXPLORER_VERSION, REWARD = "rollout/model_version", "critic/rewards/mean"
+# What vLLM's CPU backend reads: 1 GiB of KV cache, OpenMP threads left where the OS puts them.
+VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def both_worker_env(out: Path, stand_ins: bool) -> Dict[str, str]:
+    """The workers' environment of ``mode: train``, less the pinned numerics, with vLLM's."""
+    env = {k: v for k, v in worker_env(out).items() if k not in PINNED_NUMERICS}
+    return {**env, **VLLM_CPU_ENV, VLLM_STAND_INS_ENV: "1" if stand_ins else "0"}
+
+
+def split_roles(lines: List[Tuple[int, dict]]) -> Tuple[Dict[int, dict], Dict[int, dict]]:
+    """The trainer's and the explorer's metrics per step, each role's lines of a step merged.
+
+    Both monitors log ``Step N:`` lines; a trainer line holds ``actor/`` metrics, an explorer
+    line ``rollout/`` or ``explore/`` ones.
+    """
+    trainer: Dict[int, dict] = {}
+    explorer: Dict[int, dict] = {}
+    for step, metrics in lines:
+        role = trainer if any(key.startswith("actor/") for key in metrics) else explorer
+        role.setdefault(step, {}).update(metrics)
+    return trainer, explorer
+
+
+def progress(steps: int):
+    """What ``run_trinity`` shows: per trainer step, the versions, the pair, rho, the reward."""
+    started, explorer_version = time.monotonic(), [math.nan]
+
+    def show(step: int, metrics: Dict[str, float]) -> None:
+        if EXPLORER_VERSION in metrics:
+            explorer_version[0] = metrics[EXPLORER_VERSION]
+        if not any(key.startswith("actor/") for key in metrics):
+            return
+        low, high, rho = (metrics.get(key, math.nan) for key in PAIR_KEYS)
+        oldest, newest = (metrics.get(key, math.nan) for key in VERSIONS)
+        print(
+            f"step {step}/{steps}: explorer at version {explorer_version[0]:.0f}, trained samples "
+            f"of versions {oldest:.0f} to {newest:.0f} with version {step - 1}, clip "
+            f"({low:.3f}, {high:.3f}), rho {rho:.3f}, reward {metrics.get(REWARD, math.nan):.3f}, "
+            f"{time.monotonic() - started:.0f} s into trinity run",
+            flush=True,
+        )
+
+    return show
+
+
+def report(out: Path, args, code: int, lines: List[Tuple[int, dict]]) -> dict:
+    """The JSON line: per trainer step, the samples' versions and BAPO's pair and rho.
+
+    A step's samples are stale by the trainer's version (``step - 1``) less theirs. Then the
+    explorer's versions, the reloads, and the ranks' agreement.
+    """
+    trainer, explorer = split_roles(lines)
+    steps = sorted(trainer)
+    versions = [[trainer[s].get(k) for k in VERSIONS] for s in steps]
+    rolled = [
+        explorer[s][EXPLORER_VERSION] for s in sorted(explorer) if EXPLORER_VERSION in explorer[s]
+    ]
+    return dict(
+        mode="both",
+        requested_steps=args.steps,
+        steps=steps,
+        trainer_versions=[s - 1 for s in steps],
+        sample_versions=versions,
+        staleness=[
+            s - 1 - low if low is not None else None for s, (low, _) in zip(steps, versions)
+        ],
+        clip_pairs=[[trainer[s].get(k) for k in PAIR_KEYS[:2]] for s in steps],
+        rho=[trainer[s].get(PAIR_KEYS[2]) for s in steps],
+        reward=[trainer[s].get(REWARD) for s in steps],
+        explorer_versions=rolled,
+        syncs=len({v for v in rolled if v > 0}),
+        sync_interval=args.sync_interval,
+        sync_offset=args.sync_offset,
+        sync_across_dp=not args.no_sync,
+        **agreement(rank_calls(out / "calls")),
+        checkpoint=checkpoint(out, run_name(not args.no_sync), args.steps),
+        trinity_exit=code,
+        error=first_error(out / "trinity.log"),
+        log=str(out / "trinity.log"),
+    )
+
+
+def first_error(log: Path) -> Optional[str]:
+    """The first exception Trinity's log reports (the last line of its traceback), if any."""
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        found = ERROR.search(line)
+        if found:
+            return found.group(1).strip()
+    return None
+
+
+def exit_code(result: dict) -> int:
+    """0 where the loop is whole, else 1.
+
+    Whole: every step logged with BAPO's pair, the explorer reloaded a trainer checkpoint, the
+    last one saved, ``trinity run`` exited 0, and the ranks agreed where the sync is on.
+    """
+    complete = result["steps"] == list(range(1, result["requested_steps"] + 1))
+    paired = all(None not in pair for pair in result["clip_pairs"])
+    ended = complete and paired and bool(result["checkpoint"]) and result["trinity_exit"] == 0
+    agreed = result["ranks_agree"] or not result["sync_across_dp"]
+    return 0 if ended and result["syncs"] > 0 and agreed else 1
+
+
+def run_both(args) -> int:
+    """Build, start Ray with a GPU slot for the engine, run ``trinity run``, stop Ray, report."""
+    started, out, sync = time.monotonic(), args.out.resolve(), not args.no_sync
+    rollout = Rollout(args.sync_interval, args.sync_offset)
+    config_path = prepare(out, args.steps, sync, args.search_scope, rollout)
+    print(f"inputs built under {out}; starting Ray and `trinity run` in mode both", flush=True)
+    head = start_ray(out / "ray", RANKS + 1, both_worker_env(out, not args.no_stand_ins))
+    try:
+        env = {**head.env, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+        show = progress(args.steps)
+        code, lines = run_trinity(config_path, env, out / "trinity.log", args.timeout, show)
+    finally:
+        stop_ray(head)
+    result = report(out, args, code, lines)
+    result["seconds"] = round(time.monotonic() - started, 1)
+    print(json.dumps(result), flush=True)
+    if exit_code(result):
+        reason = result["error"] or "see the log"
+        print(f"mode both failed: {reason} ({result['log']})", file=sys.stderr, flush=True)
+    return exit_code(result)

@@ -1,0 +1,1 @@
+"""Trinity's asynchronous loop (``mode: both``), apart from ``make test``: make test-async."""

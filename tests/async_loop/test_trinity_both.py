@@ -1,0 +1,115 @@
+"""Trinity's asynchronous loop: ``trinity run`` in ``mode: both`` with a vLLM explorer on CPUs.
+
+One launch of ``scripts/trinity_run.py --mode both`` for 4 steps, as ``make trinity-run
+TRINITY_RUN_ARGS="--mode both"`` runs it, in the environment of ``make setup-vllm``: the explorer
+rolls out with vLLM, the trainer trains BAPO on 2 ranks from the queue, and the synchronizer hands
+the trainer's checkpoints back to the explorer (``sync_interval: 2``, ``sync_offset: 1``). What
+happened is read from Trinity's own log and the ranks' records, apart from the launcher's report.
+
+Not part of ``make test`` (pyproject's ``norecursedirs``): ``make test-async`` runs it, after
+setting up that environment. ``BOTH_MODE_ARGS`` adds launcher arguments, as a control:
+``--sync-interval 9`` (no reload within the run) must fail it.
+"""
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import time
+
+import pytest
+
+from scripts.harness.launch import REPO, tail
+from scripts.harness.ray_local import ray_processes
+from tests.test_trinity_run import BAPO_METRICS, git_status, ray_links
+
+STEPS = 4
+OUT = REPO / "runs" / "test-trinity-both"
+VLLM_PYTHON = os.environ.get("VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin" / "python"))
+STEP_LINE = re.compile(r"Step (\d+): \{(.*)\}")
+RELOAD = re.compile(r"New model weights version: (\d+)")
+
+
+@pytest.fixture(scope="module")
+def run():
+    """The launch and what it left behind."""
+    status, links, started = git_status(), ray_links(), time.monotonic()
+    cmd = [VLLM_PYTHON, "-m", "scripts.trinity_run", "--mode", "both", "--steps", str(STEPS)]
+    cmd += ["--out", str(OUT), *shlex.split(os.environ.get("BOTH_MODE_ARGS", ""))]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500)
+    print(f"trinity-run --mode both test launch: {time.monotonic() - started:.0f} s")
+    return dict(
+        done=done,
+        git_status_new=sorted(git_status() - status),
+        links_left=sorted(ray_links() - links),
+        left_running=ray_processes(OUT / "ray"),
+    )
+
+
+def trinity_log() -> list:
+    """The lines of Trinity's log (``trinity run``'s output, its Ray actors' included)."""
+    return (OUT / "trinity.log").read_text().splitlines()
+
+
+def step_lines(role_key: str) -> dict:
+    """One role's ``Step N: {...}`` metrics (the lines holding a ``role_key`` metric), merged."""
+    steps: dict = {}
+    for line in trinity_log():
+        found = STEP_LINE.search(line)
+        if found and f"'{role_key}" in found.group(2):
+            pairs = re.findall(r"'([^']+)': (nan|[-+0-9.e]+)", found.group(2))
+            steps.setdefault(int(found.group(1)), {}).update({k: float(v) for k, v in pairs})
+    return steps
+
+
+def test_the_launch_exits_0_with_its_report(run):
+    done = run["done"]
+    assert done.returncode == 0, f"exit {done.returncode}\n{tail(done.stdout + done.stderr)}"
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["steps"] == list(range(1, STEPS + 1)) and report["ranks_agree"] is True
+
+
+def test_the_explorer_reloaded_a_trainer_checkpoint(run):
+    reloads = [int(m.group(1)) for line in trinity_log() for m in [RELOAD.search(line)] if m]
+    assert reloads, "the explorer never reloaded the trainer's weights"
+    for version in reloads:
+        saved = list((OUT / "checkpoints").glob(f"*/*/global_step_{version}/actor"))
+        assert saved and any(p.is_file() for p in saved[0].rglob("*")), version
+    rolled = [m["rollout/model_version"] for m in step_lines("rollout/model_version").values()]
+    assert max(rolled) in reloads, "no rollout with a reloaded version"
+
+
+def test_some_step_trained_on_stale_samples(run):
+    trained = step_lines("actor/")
+    stale = {
+        step: metrics["sample/model_version/min"]
+        for step, metrics in trained.items()
+        if metrics["sample/model_version/min"] < step - 1  # the trainer's version at step N
+    }
+    assert stale, {s: m["sample/model_version/min"] for s, m in trained.items()}
+
+
+def test_bapo_metrics_at_every_step(run):
+    trained = step_lines("actor/")
+    assert sorted(trained) == list(range(1, STEPS + 1))
+    for metrics in trained.values():
+        assert all(f"actor/bapo_{name}" in metrics for name in BAPO_METRICS), sorted(metrics)
+        assert 0.0 <= metrics["actor/bapo_positive_contribution"] <= 1.0
+
+
+def test_the_ranks_chose_the_same_pair_at_every_call(run):
+    calls = [
+        [json.loads(line) for line in (OUT / "calls" / f"rank{r}.jsonl").read_text().splitlines()]
+        for r in range(2)
+    ]
+    pairs = [
+        [(c["metrics"]["bapo_clip_low"], c["metrics"]["bapo_clip_high"]) for c in r] for r in calls
+    ]
+    assert len(pairs[0]) >= STEPS and pairs[0] == pairs[1]
+
+
+def test_nothing_left_running_or_written_outside_runs(run):
+    assert run["left_running"] == []
+    assert run["git_status_new"] == [], "the run wrote into the checkout outside runs/"
+    assert run["links_left"] == [], "the short link to Ray's temp dir is left"
