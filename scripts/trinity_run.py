@@ -7,7 +7,9 @@ CPU stand-ins (``scripts/harness/cpu.py``) and record each rank's loss calls.
 
 ``trinity run`` exits 0 even when training fails, so success is read from what it logged: one
 ``Step N:`` line per requested step. Prints a line per step, then one JSON line; exits 1 when a
-step or the checkpoint is missing, or when the ranks chose apart with the sync on.
+step or the checkpoint is missing, or when the ranks chose apart with the sync on. The launch
+owns ``--out`` (``scripts/harness/owned_run.py``): a second one on it refuses at once, and a
+signal stops its Ray, prints the JSON line with the steps so far and ends the launch by it.
 """
 
 import argparse
@@ -15,18 +17,17 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from scripts.harness.cpu import CALL_LOG_ENV, STAND_INS_ENV
 from scripts.harness.launch import PINNED_NUMERICS, REPO
-from scripts.harness.ray_local import kill_ray, start_ray, stop_ray
+from scripts.harness.owned_run import owned_run
 from scripts.harness.trinity_inputs import RANKS, build_model, fill_buffer, run_name, write_config
 
 STEP_LINE = re.compile(r"Step (\d+): (\{.*\})")
@@ -52,10 +53,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def run_trinity(config_path: Path, env: Dict[str, str], log_path: Path, steps: int, timeout_s):
-    """``trinity run``, a progress line per ``Step N:`` it logs; (exit code, metrics per step)."""
+def run_trinity(
+    config_path: Path,
+    env: Dict[str, str],
+    log_path: Path,
+    steps: int,
+    timeout_s,
+    logged: Dict[int, Dict[str, float]],
+) -> int:
+    """``trinity run``, a progress line per ``Step N:`` it logs, into ``logged``; its exit code."""
     trinity = str(Path(sys.executable).parent / "trinity")
-    logged: Dict[int, Dict[str, float]] = {}
     started = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
@@ -86,7 +93,7 @@ def run_trinity(config_path: Path, env: Dict[str, str], log_path: Path, steps: i
             kill.cancel()
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-    return proc.wait(), logged
+    return proc.wait()
 
 
 def numbers(logged: str) -> Dict[str, float]:
@@ -137,10 +144,8 @@ def checkpoint(out: Path, name: str, steps: int) -> str:
 
 
 def prepare(out: Path, steps: int, sync: bool, scope: str) -> Path:
-    """The run's folder, emptied, with the model, the config and the filled buffer; the config."""
-    kill_ray(out / "ray")  # a run owns its folder: no Ray, buffer or checkpoint is reused
-    shutil.rmtree(out, ignore_errors=True)
-    (out / "calls").mkdir(parents=True)
+    """The model, the config and the filled buffer in the emptied folder; the config's path."""
+    (out / "calls").mkdir()
     build_model(out / "model")
     config_path = write_config(out, steps, sync, scope)
     fill_buffer(config_path, steps)
@@ -155,8 +160,11 @@ def worker_env(out: Path) -> Dict[str, str]:
     return env
 
 
-def report(out: Path, requested: int, sync: bool, code: int, logged: dict) -> dict:
-    """The JSON line: steps, pairs and rho as Trinity logged them, the ranks' own agreement."""
+def report(out: Path, requested: int, sync: bool, code: Optional[int], logged: dict) -> dict:
+    """The JSON line: steps, pairs and rho as Trinity logged them, the ranks' own agreement.
+
+    ``code`` is None where ``trinity run`` did not end (a signal cut the launch short).
+    """
     steps = sorted(logged)
     return dict(
         requested_steps=requested,
@@ -183,22 +191,25 @@ def exit_code(result: dict) -> int:
 
 
 def main(argv=None) -> int:
-    """Build, start Ray, run ``trinity run``, stop Ray, report."""
+    """Own the folder, build, start Ray, run ``trinity run``, stop Ray, report."""
     args = parse_args(argv)
     started, out, sync = time.monotonic(), args.out.resolve(), not args.no_sync
-    config_path = prepare(out, args.steps, sync, args.search_scope)
-    print(f"inputs built under {out}; starting Ray and `trinity run`", flush=True)
-    head = start_ray(out / "ray", RANKS, worker_env(out))
-    try:
+    logged: Dict[int, Dict[str, float]] = {}
+    ended: List[int] = []  # trinity run's exit code, once it has one
+
+    def summary() -> dict:
+        result = report(out, args.steps, sync, ended[0] if ended else None, logged)
+        result["search_scope"] = args.search_scope
+        return dict(result, seconds=round(time.monotonic() - started, 1))
+
+    with owned_run(out, summary) as run:
+        config_path = prepare(out, args.steps, sync, args.search_scope)
+        print(f"inputs built under {out}; starting Ray and `trinity run`", flush=True)
+        head = run.start_ray(out / "ray", RANKS, worker_env(out))
         env = {**head.env, **PINNED_NUMERICS, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-        code, logged = run_trinity(config_path, env, out / "trinity.log", args.steps, args.timeout)
-    finally:
-        stop_ray(head)
-    result = report(out, args.steps, sync, code, logged)
-    result["search_scope"] = args.search_scope
-    result["seconds"] = round(time.monotonic() - started, 1)
-    print(json.dumps(result), flush=True)
-    return exit_code(result)
+        log = out / "trinity.log"
+        ended.append(run_trinity(config_path, env, log, args.steps, args.timeout, logged))
+        return exit_code(run.finish())
 
 
 if __name__ == "__main__":
