@@ -15,7 +15,6 @@ a step, a reload of a trainer checkpoint or the last checkpoint is missing, or w
 chose apart with the sync on.
 """
 
-import json
 import math
 import os
 import re
@@ -26,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 
 from scripts.harness.cpu import VLLM_STAND_INS_ENV
 from scripts.harness.launch import PINNED_NUMERICS, REPO
-from scripts.harness.ray_local import start_ray, stop_ray
+from scripts.harness.owned_run import owned_run
 from scripts.harness.trinity_inputs import RANKS, Rollout
 from scripts.trinity_run import (
     PAIR_KEYS,
@@ -88,7 +87,7 @@ def progress(steps: int):
     return show
 
 
-def report(out: Path, args, code: int, lines: List[Tuple[int, dict]]) -> dict:
+def report(out: Path, args, code: Optional[int], lines: List[Tuple[int, dict]]) -> dict:
     """The JSON line: per trainer step, the samples' versions and BAPO's pair and rho.
 
     A step's samples are stale by the trainer's version (``step - 1``) less theirs. Then the
@@ -148,23 +147,26 @@ def exit_code(result: dict) -> int:
 
 
 def run_both(args) -> int:
-    """Build, start Ray with a GPU slot for the engine, run ``trinity run``, stop Ray, report."""
+    """Own the folder, build, start Ray with a slot for the engine, run ``trinity run``, report."""
     started, out, sync = time.monotonic(), args.out.resolve(), not args.no_sync
-    rollout = Rollout(args.sync_interval, args.sync_offset)
-    config_path = prepare(out, args.steps, sync, args.search_scope, rollout)
-    print(f"inputs built under {out}; starting Ray and `trinity run` in mode both", flush=True)
-    head = start_ray(out / "ray", RANKS + 1, both_worker_env(out, not args.no_stand_ins))
-    try:
+    lines: List[Tuple[int, dict]] = []  # trinity run's Step lines, as they come
+    ended: List[int] = []  # trinity run's exit code, once it has one
+
+    def summary() -> dict:
+        result = report(out, args, ended[0] if ended else None, lines)
+        return dict(result, seconds=round(time.monotonic() - started, 1))
+
+    with owned_run(out, summary) as run:
+        staleness = Rollout(args.sync_interval, args.sync_offset)
+        config_path = prepare(out, args.steps, sync, args.search_scope, staleness)
+        print(f"inputs built under {out}; starting Ray and `trinity run` in mode both", flush=True)
+        head = run.start_ray(out / "ray", RANKS + 1, both_worker_env(out, not args.no_stand_ins))
         env = {**head.env, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-        show = progress(args.steps)
-        code, lines = run_trinity(config_path, env, out / "trinity.log", args.timeout, show)
-    finally:
-        stop_ray(head)
-    result = report(out, args, code, lines)
-    result["seconds"] = round(time.monotonic() - started, 1)
-    print(json.dumps(result), flush=True)
-    if exit_code(result):
-        reason = result["error"] or "see the log"
-        print(f"mode both failed: {reason} ({result['log']})", file=sys.stderr, flush=True)
-    return exit_code(result)
+        log = out / "trinity.log"
+        ended.append(run_trinity(config_path, env, log, args.timeout, progress(args.steps), lines))
+        result = run.finish()
+        if exit_code(result):
+            reason = result["error"] or "see the log"
+            print(f"mode both failed: {reason} ({result['log']})", file=sys.stderr, flush=True)
+        return exit_code(result)

@@ -2,8 +2,10 @@
 """Apply, revert and show (status) this repo's changes to an installed trinity-rft.
 
 patches/series is applied by ``git apply`` to copies that move into place together. A file is
-released if its sha256 is RECORD's, patched if reverse-applying the series gives those bytes;
-anything else is refused, by name. Each file is patched or reverted on its own, so a run killed
+released if its sha256 is RECORD's, patched if reverse-applying the series gives those bytes,
+outdated if reverse-applying a series of an earlier commit (read from git history) gives them:
+``apply`` moves it to this series, ``revert`` to the release. Anything else is refused, by
+name. Each file is patched or reverted on its own, so a run killed
 between two renames leaves a mix that the next run completes. Our ``trinity/*.py`` are copied in
 (hashes in trinity/.bapo-installed.json); a copy edited in place or a file not ours is never
 overwritten or removed. Temporary files (``.NAME.PID.tmp``) left by a killed run are removed.
@@ -41,7 +43,15 @@ NOTES = {
     "modified": "edited since it was installed: neither `apply` nor `revert` replaces or removes "
     "it; move your change away, then rerun",
     "stray": "a temporary file of an interrupted run: the next `apply` or `revert` removes it",
+    "outdated": "written by an earlier commit of this repository: `python "
+    "scripts/trinity_patches.py apply` (or `make setup`) brings it to this one; `revert` "
+    "restores the release",
 }
+SHALLOW = (
+    "A file an earlier commit's series patched counts as modified where this checkout lacks that "
+    "commit (an archive, a shallow clone: `git fetch --unshallow`)."
+)
+START_CLEAN = f"To start clean: pip install --force-reinstall --no-deps {DIST}=={VERSION}"
 
 
 def sha256(path: Path) -> str:
@@ -56,7 +66,7 @@ def series() -> list[Path]:
 
 def touched(patches: list[Path] | None = None) -> list[str]:
     """Site-relative paths the given patches (by default the series) change."""
-    text = "".join(p.read_text() for p in series() if patches is None or p in patches)
+    text = "".join(p.read_text() for p in (series() if patches is None else patches))
     return sorted(set(re.findall(r"^\+\+\+ b/(\S+)", text, re.M)))
 
 
@@ -77,12 +87,13 @@ def git_apply(root: Path, *args: str | Path) -> subprocess.CompletedProcess[byte
     return subprocess.run(["git", "apply", *args], cwd=root, env=env, capture_output=True)
 
 
-def stage(site: Path, rels: list[str], tmp: str) -> Path:
-    """Copy files of `site` into a scratch tree, where the series is tried first."""
-    for rel in rels:
-        Path(tmp, rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(site / rel, Path(tmp, rel))
-    return Path(tmp)
+def stage(sources: dict[str, Path], tmp: Path) -> Path:
+    """Copy the sources into a new scratch tree under `tmp`, where a series is tried first."""
+    root = Path(tempfile.mkdtemp(dir=tmp))
+    for rel, src in sources.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, root / rel)
+    return root
 
 
 def place(site: Path, sources: dict[str, Path]) -> None:
@@ -104,48 +115,107 @@ def place(site: Path, sources: dict[str, Path]) -> None:
         os.replace(tmp, dst)  # a fresh mtime, so no cached bytecode of the old copy matches
 
 
-def file_states(site: Path, released: dict[str, str]) -> dict[str, str]:
-    """'released', 'patched', 'modified' or 'missing' for every file the series touches."""
-    rels, states = touched(), {}
-    with tempfile.TemporaryDirectory(prefix="trinity-patches-") as tmp:
-        root = stage(site, [rel for rel in rels if (site / rel).is_file()], tmp)
-        for rel in rels:
-            if (site / rel).is_file() and sha256(site / rel) == released.get(rel):
-                states[rel] = "released"
-            elif (site / rel).is_file():
-                undone = git_apply(root, "-R", f"--include={rel}", *series()[::-1]).returncode
-                same = not undone and sha256(root / rel) == released.get(rel)
-                states[rel] = "patched" if same else "modified"
-            else:
-                states[rel] = "missing"
-    return states
+def git_files(specs: list[str]) -> list[str | None]:
+    """The repository's files ``commit:path``, read by one ``git cat-file``; None where absent."""
+    asked = "".join(f"{spec}\n" for spec in specs).encode()
+    done = subprocess.run(
+        ["git", "cat-file", "--batch"], cwd=REPO, input=asked, capture_output=True
+    )
+    out, found, at = done.stdout, list[str | None](), 0
+    for _ in specs if not done.returncode else ():
+        end = out.index(b"\n", at)
+        header = out[at:end].split()  # "<oid> blob <size>", or "<spec> missing"
+        size = int(header[2]) if len(header) == 3 and header[1] == b"blob" else -1
+        found.append(out[end + 1 : end + 1 + size].decode() if size >= 0 else None)
+        at = end + 1 + (size + 1 if size >= 0 else 0)
+    return found or [None] * len(specs)
 
 
-def pending(site: Path, released: dict[str, str], action: str) -> list[str]:
-    """The files still to patch (or revert); refuse, naming files, unless each is one of both."""
-    states = file_states(site, released)
-    if set(states.values()) <= {"released", "patched"}:
+def earlier_series(tmp: Path) -> list[list[Path]]:
+    """Each other series the repository's git history holds, newest first, written under `tmp`.
+
+    Empty where the checkout has no history (an archive); a shallow clone gives its own part.
+    """
+    paths = ["patches/series", ":(glob)patches/*.patch"]
+    log = subprocess.run(["git", "log", "--format=%H", "--", *paths], cwd=REPO, capture_output=True)
+    commits = log.stdout.decode().split()
+    listing = dict(zip(commits, git_files([f"{c}:patches/series" for c in commits])))
+    names = {commit: text.split() for commit, text in listing.items() if text}
+    texts = iter(git_files([f"{c}:patches/{name}" for c in names for name in names[c]]))
+    found, seen = [], {tuple[str | None, ...](p.read_text() for p in series())}
+    for commit, its in names.items():
+        patches = tuple(next(texts) for _ in its)
+        if None in patches or patches in seen:
+            continue
+        seen.add(patches)
+        (tmp / commit).mkdir()
+        for name, text in zip(its, patches):
+            (tmp / commit / name).write_text(text or "")
+        found.append([tmp / commit / name for name in its])
+    return found
+
+
+def undo(site: Path, rel: str, want: str | None, patches: list[Path], tmp: Path) -> Path | None:
+    """A scratch copy of `rel` with `patches` reversed, if that gives the released bytes."""
+    root = stage({rel: site / rel}, tmp)
+    done = git_apply(root, "-R", f"--include={rel}", *patches[::-1])
+    return None if done.returncode or sha256(root / rel) != want else root / rel
+
+
+def file_states(site: Path, released: dict[str, str], tmp: Path) -> tuple[dict, dict]:
+    """The state of every file this series or an earlier one touches; released bytes if known.
+
+    'released', 'patched' (this series' output), 'outdated' (an earlier series' output),
+    'modified' (anything else) or 'missing'; the released bytes (a path) of the first three. A
+    file that only an earlier series touched is listed unless it is released.
+    """
+    earlier, current = earlier_series(tmp), set(touched())
+    states, copies = {}, {}
+    for rel in sorted(current.union(*map(touched, earlier))):
+        copy, want = None, released.get(rel)
+        if not (site / rel).is_file():
+            states[rel] = "missing"
+        elif sha256(site / rel) == want:
+            states[rel], copy = "released", site / rel
+        elif rel in current and (copy := undo(site, rel, want, series(), tmp)):
+            states[rel] = "patched"
+        else:
+            copy = next(filter(None, (undo(site, rel, want, p, tmp) for p in earlier)), None)
+            states[rel] = "outdated" if copy else "modified"
+        if copy:
+            copies[rel] = copy
+    return {rel: s for rel, s in states.items() if rel in current or s != "released"}, copies
+
+
+def pending(site: Path, released: dict[str, str], action: str, tmp: Path) -> dict[str, Path]:
+    """The files still to patch (or revert), with their released bytes.
+
+    Refuses, naming files, unless each is released, patched or outdated.
+    """
+    states, copies = file_states(site, released, tmp)
+    if set(states.values()) <= {"released", "patched", "outdated"}:
         todo = {"apply": "released", "revert": "patched"}[action]
-        return [rel for rel, state in states.items() if state == todo]
+        return {rel: copies[rel] for rel, state in states.items() if state in (todo, "outdated")}
     lines = [f"refusing to {action}: a touched file is neither released nor patched"]
     for rel, state in states.items():
         lines.append(f"  {state:<9} {rel}")
         if state in ("modified", "missing"):
             digest = sha256(site / rel) if state == "modified" else "-"
             lines += [f"      sha256   {digest}", f"      released {released.get(rel, '-')}"]
-    hint = f"To start clean: pip install --force-reinstall --no-deps {DIST}=={VERSION}"
-    raise SystemExit("\n".join([*lines, hint]))
+    raise SystemExit("\n".join([*lines, SHALLOW, START_CLEAN]))
 
 
-def rewrite(site: Path, released: dict[str, str], rels: list[str], reverse: bool) -> None:
-    """Run the series on copies of `rels`; move the results into place only if all worked."""
-    with tempfile.TemporaryDirectory(prefix="trinity-patches-") as tmp:
-        root = stage(site, rels, tmp)
-        only = [f"--include={rel}" for rel in rels]
-        done = git_apply(root, *["-R"] * reverse, *only, *series()[:: -1 if reverse else 1])
-        if done.returncode or (reverse and any(sha256(root / r) != released[r] for r in rels)):
+def rewrite(site: Path, todo: dict[str, Path], reverse: bool, tmp: Path) -> None:
+    """Put the released bytes of `todo` in place (revert), or the series run on them (apply).
+
+    The series runs on copies, which move into place only if it applied to all.
+    """
+    root, only = stage(todo, tmp), [f"--include={rel}" for rel in todo if rel in touched()]
+    if not reverse and only:  # a file only an earlier series touched goes back to the release
+        done = git_apply(root, *only, *series())
+        if done.returncode:
             raise SystemExit(f"the series did not apply to copies:\n{done.stderr.decode()}")
-        place(site, {rel: root / rel for rel in rels})
+    place(site, {rel: root / rel for rel in todo})
 
 
 def repo_modules(overlay: Path) -> dict[str, Path]:
@@ -247,10 +317,10 @@ def write_record(site: Path, record: dict[str, str]) -> None:
         place(site, {RECORD: Path(tmp, "record.json")})
 
 
-def cmd_apply(site: Path, overlay: Path, reverse: bool) -> None:
+def cmd_apply(site: Path, overlay: Path, reverse: bool, tmp: Path) -> None:
     """Patch or revert (finishing what a killed run left), then install or remove our modules."""
     released, action = released_hashes(site), "revert" if reverse else "apply"
-    todo = pending(site, released, action)
+    todo = pending(site, released, action, tmp)
     states = module_states(site, overlay, released)
     wanted = set() if reverse else set(repo_modules(overlay))
     refused = clashes(states, wanted)
@@ -260,7 +330,7 @@ def cmd_apply(site: Path, overlay: Path, reverse: bool) -> None:
     for rel in strays(site, [*touched(), *states]):  # under the lock: no run is writing them
         (site / rel).unlink()
     if todo:
-        rewrite(site, released, todo, reverse)
+        rewrite(site, todo, reverse, tmp)
     done = [patch for patch in series() if set(touched([patch])) & set(todo)]
     print(f"{len(done)} of {len(series())} patches {'reverted' if reverse else 'applied'} now")
     before = read_record(site)
@@ -281,10 +351,10 @@ def cmd_apply(site: Path, overlay: Path, reverse: bool) -> None:
         print(f"our modules: {len(wanted)} installed, {len(copies)} of them copied now")
 
 
-def cmd_status(site: Path, overlay: Path) -> bool:
+def cmd_status(site: Path, overlay: Path, tmp: Path) -> bool:
     """Print the state of every touched file and module; True when all is as the repo has it."""
     released = released_hashes(site)
-    files, modules = file_states(site, released), module_states(site, overlay, released)
+    files, modules = file_states(site, released, tmp)[0], module_states(site, overlay, released)
     others = {
         rel: "foreign" for rel in foreign(site, released, list(modules)) if rel not in modules
     }
@@ -294,7 +364,9 @@ def cmd_status(site: Path, overlay: Path) -> bool:
         print("\n".join([f"{kind}:", *listing(states)]))
     if left:
         print("\n".join(["left by an interrupted run:", *listing(left)]))
-    return set(files.values()) == {"patched"} and set(modules.values()) <= {"installed"}
+    if "modified" in files.values():
+        print("\n".join([SHALLOW, START_CLEAN]))
+    return files == dict.fromkeys(touched(), "patched") and set(modules.values()) <= {"installed"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,11 +378,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     site = (args.site or Path(str(importlib.metadata.distribution(DIST).locate_file("")))).resolve()
     try:
-        if args.command != "status":
-            with locked(site):
-                cmd_apply(site, args.overlay.resolve(), reverse=args.command == "revert")
-        elif not cmd_status(site, args.overlay.resolve()):
-            return 1  # not everything is patched and installed as the repo has it
+        with tempfile.TemporaryDirectory(prefix="trinity-patches-") as scratch:
+            tmp, overlay = Path(scratch), args.overlay.resolve()
+            if args.command != "status":
+                with locked(site):
+                    cmd_apply(site, overlay, args.command == "revert", tmp)
+            elif not cmd_status(site, overlay, tmp):
+                return 1  # not everything is patched and installed as the repo has it
     except OSError as error:  # a read-only site, say: what failed where, in one line
         if error.filename is None:
             raise

@@ -7,7 +7,9 @@ CPU stand-ins (``scripts/harness/cpu.py``) and record each rank's loss calls.
 
 ``trinity run`` exits 0 even when training fails, so success is read from what it logged: one
 ``Step N:`` line per requested step. Prints a line per step, then one JSON line; exits 1 when a
-step or the checkpoint is missing, or when the ranks chose apart with the sync on.
+step or the checkpoint is missing, or when the ranks chose apart with the sync on. The launch
+owns ``--out`` (``scripts/harness/owned_run.py``): a second one on it refuses at once, and a
+signal stops its Ray, prints the JSON line with the steps so far and ends the launch by it.
 
 ``--mode both`` runs Trinity's asynchronous loop instead, a vLLM explorer beside the trainer
 (``scripts/trinity_both.py``), in the environment of ``make setup-vllm``.
@@ -18,7 +20,6 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from typing import Dict, List, Optional, Tuple
 
 from scripts.harness.cpu import CALL_LOG_ENV, STAND_INS_ENV
 from scripts.harness.launch import PINNED_NUMERICS, REPO
-from scripts.harness.ray_local import kill_ray, start_ray, stop_ray
+from scripts.harness.owned_run import owned_run
 from scripts.harness.trinity_inputs import (
     GROUPS_PER_STEP,
     RANKS,
@@ -78,13 +79,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def run_trinity(config_path: Path, env: Dict[str, str], log_path: Path, timeout_s, show) -> tuple:
+def run_trinity(config_path: Path, env: Dict[str, str], log_path: Path, timeout_s, show, logged):
     """``trinity run``, calling ``show(step, metrics)`` at each ``Step N:`` line it logs.
 
-    Returns the exit code and the (step, metrics) of every such line, in order.
+    Appends the (step, metrics) of every such line to ``logged``, in order; returns the exit code.
     """
     trinity = str(Path(sys.executable).parent / "trinity")
-    logged: List[Tuple[int, Dict[str, float]]] = []
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [trinity, "run", "--config", str(config_path)],
@@ -107,7 +107,7 @@ def run_trinity(config_path: Path, env: Dict[str, str], log_path: Path, timeout_
             kill.cancel()
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-    return proc.wait(), logged
+    return proc.wait()
 
 
 def progress(steps: int):
@@ -174,14 +174,12 @@ def checkpoint(out: Path, name: str, steps: int) -> str:
 
 
 def prepare(out: Path, steps: int, sync: bool, scope: str, rollout: Optional[Rollout] = None):
-    """The run's folder, emptied, with the model, config, and buffer or task set; the config.
+    """The model, config, and buffer or task set in the emptied folder; the config's path.
 
     The buffer is filled in ``mode: train``; given a ``rollout`` (``mode: both``), the explorer's
     task set is written instead.
     """
-    kill_ray(out / "ray")  # a run owns its folder: no Ray, buffer or checkpoint is reused
-    shutil.rmtree(out, ignore_errors=True)
-    (out / "calls").mkdir(parents=True)
+    (out / "calls").mkdir()
     build_model(out / "model", rollout=rollout is not None)
     config_path = write_config(out, steps, sync, scope, rollout)
     if rollout is None:
@@ -199,8 +197,11 @@ def worker_env(out: Path) -> Dict[str, str]:
     return env
 
 
-def report(out: Path, requested: int, sync: bool, code: int, logged: dict) -> dict:
-    """The JSON line: steps, pairs and rho as Trinity logged them, the ranks' own agreement."""
+def report(out: Path, requested: int, sync: bool, code: Optional[int], logged: dict) -> dict:
+    """The JSON line: steps, pairs and rho as Trinity logged them, the ranks' own agreement.
+
+    ``code`` is None where ``trinity run`` did not end (a signal cut the launch short).
+    """
     steps = sorted(logged)
     return dict(
         requested_steps=requested,
@@ -227,27 +228,29 @@ def exit_code(result: dict) -> int:
 
 
 def main(argv=None) -> int:
-    """Build, start Ray, run ``trinity run``, stop Ray, report."""
+    """Own the folder, build, start Ray, run ``trinity run``, stop Ray, report."""
     args = parse_args(argv)
     if args.mode == "both":
         from scripts.trinity_both import run_both  # which builds on this module
 
         return run_both(args)
     started, out, sync = time.monotonic(), args.out.resolve(), not args.no_sync
-    config_path = prepare(out, args.steps, sync, args.search_scope)
-    print(f"inputs built under {out}; starting Ray and `trinity run`", flush=True)
-    head = start_ray(out / "ray", RANKS, worker_env(out))
-    try:
+    lines: List[Tuple[int, Dict[str, float]]] = []  # trinity run's Step lines, as they come
+    ended: List[int] = []  # trinity run's exit code, once it has one
+
+    def summary() -> dict:
+        result = report(out, args.steps, sync, ended[0] if ended else None, dict(lines))
+        result["search_scope"] = args.search_scope
+        return dict(result, seconds=round(time.monotonic() - started, 1))
+
+    with owned_run(out, summary) as run:
+        config_path = prepare(out, args.steps, sync, args.search_scope)
+        print(f"inputs built under {out}; starting Ray and `trinity run`", flush=True)
+        head = run.start_ray(out / "ray", RANKS, worker_env(out))
         env = {**head.env, **PINNED_NUMERICS, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-        show = progress(args.steps)
-        code, lines = run_trinity(config_path, env, out / "trinity.log", args.timeout, show)
-    finally:
-        stop_ray(head)
-    result = report(out, args.steps, sync, code, dict(lines))
-    result["search_scope"] = args.search_scope
-    result["seconds"] = round(time.monotonic() - started, 1)
-    print(json.dumps(result), flush=True)
-    return exit_code(result)
+        log = out / "trinity.log"
+        ended.append(run_trinity(config_path, env, log, args.timeout, progress(args.steps), lines))
+        return exit_code(run.finish())
 
 
 if __name__ == "__main__":

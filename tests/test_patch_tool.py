@@ -8,6 +8,7 @@ patches/series with GNU `patch -R` if needed, and checks every file against RECO
 import base64
 import hashlib
 import importlib.metadata
+import io
 import os
 import re
 import shutil
@@ -15,6 +16,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 from subprocess import CompletedProcess
 
@@ -450,3 +452,102 @@ def test_concurrent_applies_take_turns(released: Path, tmp_path: Path) -> None:
                 run.kill()  # a no-op once it has exited
         assert [run.returncode for run in runs] == [0, 0], f"trial {trial}: {outputs}"
         assert snapshot(site, with_times=False) == snapshot(patched, with_times=False)
+
+
+# Commits whose series and module differ from this checkout's; the second's series also patched
+# a file this one leaves alone (trinity/trainer/verl_legacy/dp_actor.py).
+OLD, OLDER = "b3530ff", "f2886fb"
+
+
+def git(*args: str) -> bytes:
+    """A git command in the repository; its stdout."""
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, check=True).stdout
+
+
+@pytest.fixture(scope="session")
+def checkout_at(tmp_path_factory):
+    """A function: the patch tool, series and modules of a commit, from the repository's history."""
+
+    def extract(commit: str) -> Path:
+        if subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO).returncode:
+            pytest.skip(f"this checkout's history lacks {commit} (a shallow clone)")
+        root = tmp_path_factory.mktemp(commit)
+        archive = git("archive", commit, "scripts/trinity_patches.py", "patches", "trinity")
+        tarfile.open(fileobj=io.BytesIO(archive)).extractall(root, filter="data")
+        return root
+
+    return extract
+
+
+def patched_at(site: Path, checkout: Path) -> Path:
+    """The released package in ``site`` patched by an earlier checkout's own tool and series."""
+    old_tool = checkout / "scripts" / "trinity_patches.py"
+    cmd = [sys.executable, str(old_tool), "apply", "--site", str(site)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return site
+
+
+@pytest.fixture
+def old_site(site: Path, checkout_at) -> Path:
+    """The released package patched by OLD's own tool with OLD's series and modules."""
+    return patched_at(site, checkout_at(OLD))
+
+
+def outdated(old_site: Path, patched: Path) -> list[str]:
+    """The files the older series wrote otherwise than this one, neither released nor current."""
+    record = released_record()
+    found = [rel for rel in package_files(old_site) if (patched / rel).is_file() and rel != RECORD]
+    found = [rel for rel in found if sha256(old_site / rel) != sha256(patched / rel)]
+    return [rel for rel in found if sha256(old_site / rel) != record.get(rel)]
+
+
+@pytest.mark.parametrize("commit, first", [(OLD, "apply"), (OLD, "revert"), (OLDER, "apply")])
+def test_an_environment_patched_by_an_earlier_commit_is_upgraded_or_reverted(
+    site: Path, checkout_at, patched: Path, released: Path, commit: str, first: str
+) -> None:
+    old_site = patched_at(site, checkout_at(commit))
+    older = outdated(old_site, patched)
+    assert any(rel in touched() for rel in older) and any(rel in modules() for rel in older)
+    stdout = tool("status", old_site, status=1).stdout
+    assert all(f"outdated  {rel}" in stdout for rel in older), stdout
+    assert "modified" not in stdout and "python scripts/trinity_patches.py apply" in stdout
+    tool(first, old_site)
+    if first == "apply":
+        assert snapshot(old_site, with_times=False) == snapshot(patched, with_times=False)
+        tool("status", old_site)
+        tool("revert", old_site)
+    assert snapshot(old_site, with_times=False) == snapshot(released, with_times=False)
+
+
+@pytest.mark.parametrize("kind", ["patched file", "module"])
+def test_an_edit_in_an_environment_of_an_earlier_commit_survives_apply_and_revert(
+    old_site: Path, patched: Path, kind: str
+) -> None:
+    older = outdated(old_site, patched)
+    rel = next(r for r in older if (r in touched()) == (kind == "patched file"))
+    with open(old_site / rel, "a") as handle:
+        handle.write("# a local fix\n")
+    edited = (old_site / rel).read_bytes()
+    for command in ("apply", "revert"):
+        assert f"modified  {rel}" in refused(command, old_site)
+    stdout = tool("status", old_site, status=1).stdout
+    assert f"modified  {rel}" in stdout and "move your change away" in stdout
+    if kind == "patched file":  # pip's file: reinstalling the release is the other way out
+        assert "pip install --force-reinstall" in stdout
+    assert (old_site / rel).read_bytes() == edited
+
+
+def test_without_git_history_an_earlier_series_output_is_refused_with_the_way_out(
+    old_site: Path, tmp_path: Path
+) -> None:
+    export = tmp_path / "export"  # this checkout's tool, series and modules, outside any repository
+    for part in ("patches", "trinity"):
+        shutil.copytree(REPO / part, export / part)
+    write(export / "scripts" / "trinity_patches.py", TOOL.read_text())
+    cmd = [sys.executable, str(export / "scripts" / "trinity_patches.py"), "status"]
+    done = subprocess.run(
+        [*cmd, "--site", str(old_site)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1 and "modified " in done.stdout
+    assert "git fetch --unshallow" in done.stdout and "pip install --force-reinstall" in done.stdout

@@ -4,15 +4,23 @@ One launch of ``scripts/trinity_run.py`` for 2 steps, as ``make trinity-run`` ru
 config loading and validation, the sqlite buffer, Ray, the trainer, verl's worker ranks, the
 engine, ``TrinityPolicyLoss`` with its group, and the checkpoint. The steps and metrics are read
 from what Trinity logged, the agreement from each rank's own record of its loss calls; then
-nothing of that Ray may be left running, and nothing written outside ``runs/``.
+nothing of that Ray may be left running, and nothing written outside ``runs/``. While it trains,
+a second launch on its folder must refuse at once.
+
+Three launches cut short by a real signal, each at its moment: SIGHUP before Ray is up, SIGINT
+to the process group while Ray starts, SIGTERM while the ranks train. Each must leave no
+process of its Ray and no link, and end by its signal after a last JSON line.
 """
 
 import json
 import math
+import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +28,7 @@ import pytest
 import yaml
 
 from scripts.harness.launch import REPO, tail
-from scripts.harness.ray_local import ray_processes
+from scripts.harness.ray_local import kill_ray, link_dir, ray_processes
 from scripts.trinity_run import agreement, exit_code, numbers
 
 STEPS = 2
@@ -28,6 +36,7 @@ OUT = REPO / "runs" / "test-trinity-run"
 EXAMPLE = REPO / "examples" / "bapo_gsm8k" / "gsm8k.yaml"
 BAPO_METRICS = ["clip_low", "clip_high", "positive_contribution", "target_met", "search_steps"]
 START, FAR = (0.6, 1.2), (0.9, 3.0)  # the paper's start pair and its grid's last pair
+REFUSED_WITHIN_S, CLEAN_WITHIN_S = 5, 10
 
 
 def snapshot(folder: Path):
@@ -48,28 +57,96 @@ def ray_links() -> set:
     return set(Path(tempfile.gettempdir()).glob("bapo-ray-*"))
 
 
+def until(condition, timeout_s: float, what: str) -> float:
+    """Wait for ``condition()``, failing after ``timeout_s``; the seconds it took."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout_s, f"no {what} after {timeout_s} s"
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+class Launch:
+    """``python -m scripts.trinity_run`` on ``out`` in a session of its own, read as it prints."""
+
+    def __init__(self, out: Path, *args):
+        """Start it; its stdout lines gather in ``lines``, its stderr in a file."""
+        self.out, self.lines, self.err = out, list[str](), tempfile.TemporaryFile("w+")
+        cmd = [sys.executable, "-m", "scripts.trinity_run", "--out", out, *args]
+        self.proc = subprocess.Popen(
+            list(map(str, cmd)),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=self.err,
+            text=True,
+            start_new_session=True,
+        )
+        self.reader = threading.Thread(target=self.read, daemon=True)
+        self.reader.start()
+
+    def read(self) -> None:
+        """Collect the stdout lines until the launcher closes it."""
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            self.lines.append(line.rstrip("\n"))
+
+    def printed(self, start: str) -> bool:
+        """Whether a line starting with ``start`` was printed."""
+        return any(line.startswith(start) for line in self.lines)
+
+    def end(self, timeout_s: float) -> int:
+        """Its exit code; killed with its Ray (and the test failed) past ``timeout_s``."""
+        try:
+            self.proc.wait(timeout_s)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                kill_ray(self.out / "ray")
+        self.reader.join(10)
+        return self.proc.returncode
+
+    def output(self) -> str:
+        """Everything it printed, for a failure's message."""
+        self.err.seek(0)
+        return tail("\n".join(self.lines) + "\n" + self.err.read())
+
+
+def training(launch: Launch) -> bool:
+    """Whether a rank of this launch has made a loss call (its inputs built, its record begun)."""
+    return launch.printed("inputs built") and (launch.out / "calls" / "rank0.jsonl").exists()
+
+
+def second_launch(out: Path) -> dict:
+    """A launch on a folder in use: its exit code, seconds, and stderr's lines."""
+    cmd = [sys.executable, "-m", "scripts.trinity_run", "--out", out]
+    started = time.monotonic()
+    done = subprocess.run(list(map(str, cmd)), cwd=REPO, capture_output=True, text=True, timeout=60)
+    seconds = time.monotonic() - started
+    return dict(code=done.returncode, seconds=seconds, stderr=done.stderr.strip().splitlines())
+
+
 @pytest.fixture(scope="module")
 def run():
-    """The launch, its JSON report, and what it left behind."""
+    """The launch, its JSON report, what it left behind, and a second launch refused meanwhile."""
     ray_home, status, links = Path.home() / ".ray", git_status(), ray_links()
     before, started = snapshot(ray_home), time.monotonic()
-    cmd = [sys.executable, "-m", "scripts.trinity_run", "--steps", STEPS, "--out", OUT]
-    done = subprocess.run(
-        list(map(str, cmd)), cwd=REPO, capture_output=True, text=True, timeout=900
-    )
+    first = Launch(OUT, "--steps", STEPS)
+    try:
+        until(lambda: training(first) or first.proc.poll() is not None, 600, "a loss call")
+        second = second_launch(OUT) if first.proc.poll() is None else None
+    finally:
+        code = first.end(900)
     seconds = time.monotonic() - started
-    lines = done.stdout.strip().splitlines()
-    assert (
-        done.returncode == 0 and lines
-    ), f"exit {done.returncode}\n{tail(done.stdout + done.stderr)}"
+    assert code == 0 and first.lines, f"exit {code}\n{first.output()}"
     return dict(
-        report=json.loads(lines[-1]),
-        progress=lines[:-1],
+        report=json.loads(first.lines[-1]),
+        progress=first.lines[:-1],
         ray_home_unchanged=snapshot(ray_home) == before,
         git_status_new=sorted(git_status() - status),
         links_left=sorted(ray_links() - links),
         left_running=ray_processes(OUT / "ray"),
         seconds=seconds,
+        second=second,
+        pid=first.proc.pid,
     )
 
 
@@ -138,6 +215,131 @@ def test_nothing_left_running_or_written_outside_runs(run):
     assert run["git_status_new"] == [], "the run wrote into the checkout outside runs/"
     assert run["links_left"] == [], "the short link to Ray's temp dir is left"
     print(f"trinity-run test launch: {run['seconds']:.0f} s")
+
+
+def test_a_second_launch_on_the_folder_refuses_at_once_naming_it_and_the_holder(run):
+    second = run["second"]
+    assert second["code"] != 0 and second["seconds"] < REFUSED_WITHIN_S, second
+    assert len(second["stderr"]) == 1, second["stderr"]
+    assert str(OUT) in second["stderr"][0] and f"PID {run['pid']}" in second["stderr"][0]
+    assert run["report"]["interrupted"] is False  # and the first ran whole: the tests above
+
+
+@pytest.mark.parametrize(
+    "signum, moment",
+    [
+        (signal.SIGHUP, "before Ray is up"),
+        (signal.SIGINT, "while Ray starts"),
+        (signal.SIGTERM, "during training"),
+    ],
+)
+def test_a_signal_stops_that_ray_and_the_last_line_says_interrupted(signum, moment):
+    out = REPO / "runs" / f"test-trinity-run-{signal.Signals(signum).name.lower()}"
+    launch = Launch(out, "--steps", 1)
+    try:
+        reached = MOMENTS[moment]
+        until(lambda: reached(launch) or launch.proc.poll() is not None, 600, moment)
+        assert launch.proc.poll() is None, f"ended before {moment}\n{launch.output()}"
+        if signum == signal.SIGINT:  # as Ctrl-C sends it, to the process group
+            os.killpg(launch.proc.pid, signum)
+        else:
+            os.kill(launch.proc.pid, signum)
+        signalled = time.monotonic()
+        code = launch.end(CLEAN_WITHIN_S)
+        until(lambda: not ray_processes(out / "ray"), CLEAN_WITHIN_S, "Ray stopped")
+        assert time.monotonic() - signalled < CLEAN_WITHIN_S
+    finally:
+        launch.end(0)  # a no-op unless the test failed with it alive
+    assert code == -signum, launch.output()
+    assert not link_dir(out / "ray").exists(), "the short link to Ray's temp dir is left"
+    last = json.loads(launch.lines[-1])
+    assert last["interrupted"] is True and last["signal"] == signal.Signals(signum).name
+    assert last["trinity_exit"] is None and last["requested_steps"] == 1
+    progress = [int(line.split()[1].split("/")[0]) for line in launch.lines if line[:5] == "step "]
+    assert last["steps"] == progress  # the steps so far
+    assert (last["calls_per_rank"][0] > 0) == (moment == "during training")
+    # the moment: no Ray folder before Ray is up; no trinity run while Ray starts
+    assert (out / "ray").exists() == (moment != "before Ray is up")
+    assert (out / "trinity.log").exists() == (moment == "during training")
+
+
+def holding(launch: Launch) -> bool:
+    """Whether the launch holds its folder: its PID in the lock file."""
+    lock = launch.out / ".lock"
+    return lock.exists() and lock.read_text().strip() == str(launch.proc.pid)
+
+
+def starting_ray(launch: Launch) -> bool:
+    """Whether the launch has built its inputs and a process of its Ray is alive."""
+    return launch.printed("inputs built") and bool(ray_processes(launch.out / "ray"))
+
+
+MOMENTS = {
+    "before Ray is up": holding,
+    "while Ray starts": starting_ray,
+    "during training": training,
+}
+
+
+# A launch of the owner alone, no Ray: it reads a line from stdin while it holds the folder
+# ("hold") or while it writes its report ("report"), so that the test chooses the moment.
+OWNER = """
+import sys
+from pathlib import Path
+from scripts.harness.owned_run import owned_run
+
+def summary():
+    print("reporting", flush=True)
+    if sys.argv[2] == "report":
+        sys.stdin.readline()
+    return {"steps": [1]}
+
+with owned_run(Path(sys.argv[1]), summary) as run:
+    print("holding", flush=True)
+    if sys.argv[2] == "hold":
+        sys.stdin.readline()
+    run.finish()
+"""
+
+
+def owner(out: Path, wait: str) -> subprocess.Popen:
+    """The owner alone on ``out``, waiting at ``wait`` ("hold", "report" or "none")."""
+    cmd = [sys.executable, "-c", OWNER, str(out), wait]
+    pipe = subprocess.PIPE
+    return subprocess.Popen(cmd, cwd=REPO, stdin=pipe, stdout=pipe, stderr=pipe, text=True)
+
+
+def test_a_signal_during_the_report_ends_the_run_by_it_after_the_json_line(tmp_path):
+    proc = owner(tmp_path / "out", "report")
+    assert proc.stdout.readline() == "holding\n"  # type: ignore[union-attr]
+    assert proc.stdout.readline() == "reporting\n"  # type: ignore[union-attr]
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)  # the handler runs in the reading main thread, then the read goes on
+    out, err = proc.communicate("go on\n", timeout=30)
+    assert proc.returncode == -signal.SIGTERM, err
+    assert json.loads(out.splitlines()[-1]) == {
+        "steps": [1],
+        "interrupted": True,
+        "signal": "SIGTERM",
+    }
+
+
+def test_a_folder_whose_owner_was_killed_is_taken_over(tmp_path):
+    out = tmp_path / "out"
+    held = owner(out, "hold")
+    assert held.stdout.readline() == "holding\n"  # type: ignore[union-attr]
+    busy = owner(out, "none")
+    _, err = busy.communicate(timeout=30)
+    assert busy.returncode == 1 and err.strip() == f"{out} is in use by another run, PID {held.pid}"
+    (out / "left-by-the-first").write_text("")
+    held.kill()
+    held.communicate(timeout=30)
+    assert (out / ".lock").read_text().strip() == str(held.pid)  # a dead PID stays in the file
+    after = owner(out, "none")
+    stdout, err = after.communicate(timeout=30)
+    assert after.returncode == 0, err
+    assert json.loads(stdout.splitlines()[-1]) == {"steps": [1], "interrupted": False}
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
 
 
 def test_step_lines_are_read_as_trinitys_monitor_writes_them():

@@ -9,10 +9,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
 
 REPO = Path(__file__).resolve().parents[2]
 # ATen's portable kernels rather than those it picks by CPU capability (AVX2, AVX512), MKL's
@@ -57,8 +57,14 @@ def torchrun(nproc: int, module: str, argv, timeout_s: float, stdout=None) -> La
     return Launch(code, out or "", err, time.monotonic() - started)
 
 
-def gather_rows(row: torch.Tensor) -> list:
-    """Every rank's ``row`` (a vector of one length), as lists."""
+def gather_rows(row: "torch.Tensor") -> list:
+    """Every rank's ``row`` (a vector of one length), as lists.
+
+    torch is imported here, on the ranks: a launcher (``trinity_run``'s refusal) starts without it.
+    """
+    import torch
+    import torch.distributed as dist
+
     gathered = [torch.empty_like(row) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, row)
     return [g.tolist() for g in gathered]

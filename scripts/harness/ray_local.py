@@ -7,9 +7,12 @@ it, also the workers, which rename themselves (``ray::WorkerDict``) and leave th
 ``RAY_AUTH_MODE=disabled`` and a HOME inside the folder keep Ray from writing a token under the
 user's ``~/.ray``; every port is one found free, so that two runs can share a machine. Ray's
 socket paths must fit in 107 bytes, so its temp dir is named by a short link in the system's
-temp dir; the files stay in the folder, and the link goes when Ray stops.
+temp dir; the files stay in the folder, and the link goes when Ray stops. The link's name comes
+from the folder's path, so that whoever stops a Ray by its folder alone (a start cut short, or
+one a killed launcher left) finds its link too.
 """
 
+import hashlib
 import os
 import shutil
 import signal
@@ -28,12 +31,11 @@ PORTS += ["metrics-export-port", "ray-client-server-port", "runtime-env-agent-po
 
 
 class RayHead(NamedTuple):
-    """A running head: its process, its folder, the environment that reaches it, its link's dir."""
+    """A running head: its process, its folder, the environment that reaches it."""
 
     proc: subprocess.Popen
     folder: Path
     env: Dict[str, str]
-    link_dir: Path
 
 
 def free_port() -> int:
@@ -41,6 +43,12 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def link_dir(folder: Path) -> Path:
+    """The directory in the system's temp dir that holds the short link to ``folder``'s Ray."""
+    digest = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"bapo-ray-{digest}"
 
 
 def start_ray(folder: Path, gpus: int, worker_env: Dict[str, str], timeout_s=120) -> RayHead:
@@ -51,21 +59,23 @@ def start_ray(folder: Path, gpus: int, worker_env: Dict[str, str], timeout_s=120
     """
     for part in ("home", "tmp"):
         (folder / part).mkdir(parents=True, exist_ok=True)
-    link_dir = Path(tempfile.mkdtemp(prefix="bapo-ray-"))
-    (link_dir / "tmp").symlink_to(folder.resolve() / "tmp")
+    link = link_dir(folder)
+    shutil.rmtree(link, ignore_errors=True)  # one a killed launcher left
+    link.mkdir(mode=0o700)
+    (link / "tmp").symlink_to(folder.resolve() / "tmp")
     port = free_port()
     env = {**os.environ, "HOME": str(folder / "home"), "RAY_AUTH_MODE": "disabled"}
     env[MARK_ENV] = str(folder.resolve())
     env.update(RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS=f"127.0.0.1:{port}")
     env["RAY_prestart_worker_first_driver"] = "0"  # no idle workers started ahead, each a Python
     cmd = [RAY, "start", "--head", "--block", f"--port={port}", f"--num-gpus={gpus}"]
-    cmd += ["--num-cpus=8", f"--temp-dir={link_dir / 'tmp'}", "--include-dashboard=false"]
+    cmd += ["--num-cpus=8", f"--temp-dir={link / 'tmp'}", "--include-dashboard=false"]
     cmd += [f"--{option}={free_port()}" for option in PORTS]
     with open(folder / "ray-start.log", "w") as log:
         proc = subprocess.Popen(
             cmd, env={**env, **worker_env}, stdout=log, stderr=log, start_new_session=True
         )
-    head = RayHead(proc, folder, env, link_dir)
+    head = RayHead(proc, folder, env)
     deadline = time.monotonic() + timeout_s
     while subprocess.run([RAY, "status"], env=env, capture_output=True).returncode != 0:
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -96,13 +106,20 @@ def stop_ray(head: RayHead, grace_s: float = 20) -> None:
         pass
     kill_ray(head.folder)
     head.proc.wait()
-    shutil.rmtree(head.link_dir)  # the link alone: rmtree does not follow it
 
 
-def kill_ray(folder: Path) -> None:
-    """Kill every live process of the Ray under ``folder``, also one a killed launcher left."""
-    for pid in ray_processes(folder):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def kill_ray(folder: Path, timeout_s: float = 10) -> None:
+    """Kill every live process of the Ray under ``folder`` and remove its link.
+
+    Also a Ray a killed launcher left, or one whose start was cut short. Killed again until none
+    is left, since a raylet may start a worker while its siblings die.
+    """
+    deadline = time.monotonic() + timeout_s
+    while (pids := ray_processes(folder)) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+    shutil.rmtree(link_dir(folder), ignore_errors=True)  # the link alone: rmtree does not follow
