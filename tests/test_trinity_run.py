@@ -150,21 +150,25 @@ def run():
     )
 
 
-def logged_steps() -> dict:
-    """Trinity's ``Step N: {...}`` lines in the run's log, read apart from the launcher."""
-    steps = {}
-    for line in (OUT / "trinity.log").read_text().splitlines():
+def logged_steps(out: Path = OUT, role: str = "actor/") -> dict:
+    """One role's ``Step N: {...}`` lines in a run's log, read apart from the launcher.
+
+    A role's lines hold a metric named ``role...`` (the trainer's ``actor/``); a step's lines of
+    that role are merged.
+    """
+    steps: dict = {}
+    for line in (out / "trinity.log").read_text().splitlines():
         found = re.search(r"Step (\d+): \{(.*)\}", line)
-        if found:
+        if found and f"'{role}" in found.group(2):
             pairs = re.findall(r"'([^']+)': (nan|[-+0-9.e]+)", found.group(2))
-            steps[int(found.group(1))] = {key: float(value) for key, value in pairs}
+            steps.setdefault(int(found.group(1)), {}).update({k: float(v) for k, v in pairs})
     return steps
 
 
-def rank_records() -> list:
+def rank_records(out: Path = OUT) -> list:
     """Each rank's loss calls, as the recorder in its Ray worker appended them."""
     return [
-        [json.loads(line) for line in (OUT / "calls" / f"rank{r}.jsonl").read_text().splitlines()]
+        [json.loads(line) for line in (out / "calls" / f"rank{r}.jsonl").read_text().splitlines()]
         for r in range(2)
     ]
 

@@ -8,7 +8,7 @@ happened is read from Trinity's own log and the ranks' records, apart from the l
 
 Not part of ``make test`` (pyproject's ``norecursedirs``): ``make test-async`` runs it, after
 setting up that environment. ``BOTH_MODE_ARGS`` adds launcher arguments, as a control:
-``--sync-interval 9`` (no reload within the run) must fail it.
+``--sync-interval 5`` (no reload within the run) must fail it.
 """
 
 import json
@@ -22,13 +22,11 @@ import pytest
 
 from scripts.harness.launch import REPO, tail
 from scripts.harness.ray_local import ray_processes
-from tests.test_trinity_run import BAPO_METRICS, git_status, ray_links
+from tests.test_trinity_run import BAPO_METRICS, git_status, logged_steps, rank_records, ray_links
 
 STEPS = 4
 OUT = REPO / "runs" / "test-trinity-both"
 VLLM_PYTHON = os.environ.get("VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin" / "python"))
-STEP_LINE = re.compile(r"Step (\d+): \{(.*)\}")
-RELOAD = re.compile(r"New model weights version: (\d+)")
 
 
 @pytest.fixture(scope="module")
@@ -47,20 +45,10 @@ def run():
     )
 
 
-def trinity_log() -> list:
-    """The lines of Trinity's log (``trinity run``'s output, its Ray actors' included)."""
-    return (OUT / "trinity.log").read_text().splitlines()
-
-
-def step_lines(role_key: str) -> dict:
-    """One role's ``Step N: {...}`` metrics (the lines holding a ``role_key`` metric), merged."""
-    steps: dict = {}
-    for line in trinity_log():
-        found = STEP_LINE.search(line)
-        if found and f"'{role_key}" in found.group(2):
-            pairs = re.findall(r"'([^']+)': (nan|[-+0-9.e]+)", found.group(2))
-            steps.setdefault(int(found.group(1)), {}).update({k: float(v) for k, v in pairs})
-    return steps
+def reloads() -> list:
+    """The versions the explorer says it reloaded, in Trinity's log."""
+    log = (OUT / "trinity.log").read_text()
+    return [int(version) for version in re.findall(r"New model weights version: (\d+)", log)]
 
 
 def test_the_launch_exits_0_with_its_report(run):
@@ -71,17 +59,17 @@ def test_the_launch_exits_0_with_its_report(run):
 
 
 def test_the_explorer_reloaded_a_trainer_checkpoint(run):
-    reloads = [int(m.group(1)) for line in trinity_log() for m in [RELOAD.search(line)] if m]
-    assert reloads, "the explorer never reloaded the trainer's weights"
-    for version in reloads:
+    versions = reloads()
+    assert versions, "the explorer never reloaded the trainer's weights"
+    for version in versions:
         saved = list((OUT / "checkpoints").glob(f"*/*/global_step_{version}/actor"))
         assert saved and any(p.is_file() for p in saved[0].rglob("*")), version
-    rolled = [m["rollout/model_version"] for m in step_lines("rollout/model_version").values()]
-    assert max(rolled) in reloads, "no rollout with a reloaded version"
+    rolled = [m["rollout/model_version"] for m in logged_steps(OUT, "rollout/").values()]
+    assert max(rolled) in versions, "no rollout with a reloaded version"
 
 
 def test_some_step_trained_on_stale_samples(run):
-    trained = step_lines("actor/")
+    trained = logged_steps(OUT)
     stale = {
         step: metrics["sample/model_version/min"]
         for step, metrics in trained.items()
@@ -91,7 +79,7 @@ def test_some_step_trained_on_stale_samples(run):
 
 
 def test_bapo_metrics_at_every_step(run):
-    trained = step_lines("actor/")
+    trained = logged_steps(OUT)
     assert sorted(trained) == list(range(1, STEPS + 1))
     for metrics in trained.values():
         assert all(f"actor/bapo_{name}" in metrics for name in BAPO_METRICS), sorted(metrics)
@@ -99,10 +87,7 @@ def test_bapo_metrics_at_every_step(run):
 
 
 def test_the_ranks_chose_the_same_pair_at_every_call(run):
-    calls = [
-        [json.loads(line) for line in (OUT / "calls" / f"rank{r}.jsonl").read_text().splitlines()]
-        for r in range(2)
-    ]
+    calls = rank_records(OUT)
     pairs = [
         [(c["metrics"]["bapo_clip_low"], c["metrics"]["bapo_clip_high"]) for c in r] for r in calls
     ]
