@@ -52,16 +52,20 @@ def both_worker_env(out: Path, stand_ins: bool) -> Dict[str, str]:
     return {**env, **VLLM_CPU_ENV, VLLM_STAND_INS_ENV: "1" if stand_ins else "0"}
 
 
-def split_roles(lines: List[Tuple[int, dict]]) -> Tuple[Dict[int, dict], Dict[int, dict]]:
-    """The trainer's and the explorer's metrics per step, each role's lines of a step merged.
+def is_trainers(metrics: dict) -> bool:
+    """Whether a ``Step N:`` line is the trainer's: it holds ``actor/`` metrics.
 
-    Both monitors log ``Step N:`` lines; a trainer line holds ``actor/`` metrics, an explorer
-    line ``rollout/`` or ``explore/`` ones.
+    Both monitors log ``Step N:`` lines; an explorer line holds ``rollout/`` or ``explore/`` ones.
     """
+    return any(key.startswith("actor/") for key in metrics)
+
+
+def split_roles(lines: List[Tuple[int, dict]]) -> Tuple[Dict[int, dict], Dict[int, dict]]:
+    """The trainer's and the explorer's metrics per step, each role's lines of a step merged."""
     trainer: Dict[int, dict] = {}
     explorer: Dict[int, dict] = {}
     for step, metrics in lines:
-        role = trainer if any(key.startswith("actor/") for key in metrics) else explorer
+        role = trainer if is_trainers(metrics) else explorer
         role.setdefault(step, {}).update(metrics)
     return trainer, explorer
 
@@ -73,7 +77,7 @@ def progress(steps: int):
     def show(step: int, metrics: Dict[str, float]) -> None:
         if EXPLORER_VERSION in metrics:
             explorer_version[0] = metrics[EXPLORER_VERSION]
-        if not any(key.startswith("actor/") for key in metrics):
+        if not is_trainers(metrics):
             return
         low, high, rho = (metrics.get(key, math.nan) for key in PAIR_KEYS)
         oldest, newest = (metrics.get(key, math.nan) for key in VERSIONS)
@@ -130,16 +134,30 @@ def report(out: Path, args, code: Optional[int], lines: List[Tuple[int, dict]]) 
 
 
 def exit_code(result: dict) -> int:
-    """0 where the loop is whole, else 1.
+    """0 where the loop is whole (no ``problems``), else 1."""
+    return 1 if problems(result) else 0
+
+
+def problems(result: dict) -> List[str]:
+    """What keeps the loop from being whole, in words.
 
     Whole: every step logged with BAPO's pair, the explorer reloaded a trainer checkpoint, the
     last one saved, ``trinity run`` exited 0, and the ranks agreed where the sync is on.
     """
-    complete = result["steps"] == list(range(1, result["requested_steps"] + 1))
-    paired = all(None not in pair for pair in result["clip_pairs"])
-    ended = complete and paired and bool(result["checkpoint"]) and result["trinity_exit"] == 0
-    agreed = result["ranks_agree"] or not result["sync_across_dp"]
-    return 0 if ended and result["syncs"] > 0 and agreed else 1
+    found = []
+    if result["steps"] != list(range(1, result["requested_steps"] + 1)):
+        found.append(f"trainer steps logged: {result['steps']} of {result['requested_steps']}")
+    if not all(None not in pair for pair in result["clip_pairs"]):
+        found.append("a step without BAPO's pair")
+    if result["syncs"] == 0:
+        found.append("the explorer reloaded no trainer checkpoint")
+    if not result["checkpoint"]:
+        found.append("no checkpoint of the last step")
+    if result["trinity_exit"] != 0:
+        found.append(f"trinity run exited {result['trinity_exit']}")
+    if not result["ranks_agree"] and result["sync_across_dp"]:
+        found.append("the ranks chose apart")
+    return found
 
 
 def run_both(args) -> int:
@@ -162,7 +180,7 @@ def run_both(args) -> int:
         log = out / "trinity.log"
         ended.append(run_trinity(config_path, env, log, args.timeout, progress(args.steps), lines))
         result = run.finish()
-        if exit_code(result):
-            reason = result["error"] or "see the log"
-            print(f"mode both failed: {reason} ({result['log']})", file=sys.stderr, flush=True)
+        if problems(result):
+            reasons = "; ".join([*filter(None, [result["error"]]), *problems(result)])
+            print(f"mode both failed: {reasons} ({result['log']})", file=sys.stderr, flush=True)
         return exit_code(result)

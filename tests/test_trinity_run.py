@@ -537,3 +537,14 @@ def test_mode_both_config_passes_trinitys_checks_with_the_staleness_asked_for(tm
         config.cluster.gpu_per_node == 3
         and config.buffer.trainer_input.experience_buffer.storage_type == "queue"
     )
+
+
+def test_mode_both_says_what_is_missing():
+    from scripts.trinity_both import problems
+
+    assert problems(BOTH) == []
+    assert problems({**BOTH, "syncs": 0}) == ["the explorer reloaded no trainer checkpoint"]
+    assert problems({**BOTH, "steps": [], "clip_pairs": [], "trinity_exit": None}) == [
+        "trainer steps logged: [] of 2",
+        "trinity run exited None",
+    ]
