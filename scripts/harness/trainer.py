@@ -141,6 +141,7 @@ def fresh_engine(behaviour, lr: float, micro: int, seed: int):
 def train(run: Variant, seed: int, setting: Setting, out: Path, args) -> None:
     """Train one run on every rank; rank 0 writes ``metrics.jsonl`` (``--dump``: ``fixed.pt``)."""
     from trinity.trainer.verl.losses import TrinityPolicyLoss
+    from trinity.trainer.verl.workers import run_updates_in_loss_context
 
     started, rank = time.time(), dist.get_rank()
     behaviour = build_model(seed).eval()  # the rollout copy; the engine holds the policy
@@ -149,6 +150,8 @@ def train(run: Variant, seed: int, setting: Setting, out: Path, args) -> None:
     micro = sequences // setting.micro_batches
     engine = fresh_engine(behaviour, setting.lr, micro, seed)
     loss_fn = TrinityPolicyLoss(loss_config(run.loss, run.args))
+    if getattr(loss_fn.policy_loss_fn, "update_pass", False):  # as Trinity's worker does
+        run_updates_in_loss_context(engine)
     recorder = LossRecorder(loss_fn, engine.get_data_parallel_group(), keep_inputs=True)
     upper_first = run.loss == "bapo" and recorder.upper_first and len(recorder.lower) > 1
     lower = recorder.lower if upper_first else []
@@ -166,6 +169,7 @@ def train(run: Variant, seed: int, setting: Setting, out: Path, args) -> None:
         behaviour.load_state_dict(snapshots[0])  # the oldest snapshot kept
         fields, stats = rollout(behaviour, gens, setting)
         recorder.calls.clear()
+        recorder.pass_calls.clear()
         norms = []
         # one train-mode context per step, as Trinity's actor worker; nothing is offloaded
         batches = split(fields, sequences, micro)
