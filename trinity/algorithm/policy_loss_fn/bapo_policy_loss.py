@@ -3,13 +3,14 @@
 On stale data negative-advantage tokens dominate the update: BAPO raises c_low and c_high inside
 movable ranges until positive tokens carry a share rho0 of the loss (Eq. 8), over the dp_group.
 With ``search_scope: update`` the pair is chosen once per optimizer update instead, from a pass
-over the update's micro-batches that the trainer runs first (``update_pass``).
+over the update's micro-batches that the trainer runs first (``optimizer_update``).
 """
 
 import math
 import numbers
+from contextlib import contextmanager
 from fractions import Fraction
-from typing import Dict, List, Optional, Tuple, cast
+from typing import Callable, Dict, List, Optional, Tuple, cast
 
 import numpy as np
 import torch
@@ -108,7 +109,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         self.sync_across_dp = sync_across_dp
         if search_scope not in ("micro_batch", "update"):
             raise ValueError("BAPO: `search_scope` must be micro_batch or update")
-        self.update_pass = search_scope == "update"  # asks the trainer for a pass per update
+        self.per_update = search_scope == "update"
         self._pass: Optional[dict] = None  # while the pass runs: its summed Eq. 8, group, error
         self._fixed: Optional[Tuple[int, int, float]] = None  # the update's pair and rho
 
@@ -130,7 +131,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         group = dp_group if self.sync_across_dp and dist.is_initialized() else None
         if self._pass is not None:
             return self._observe(logprob, old_logprob, action_mask, advantages, group)
-        if self.update_pass and self._fixed is None:
+        if self.per_update and self._fixed is None:
             raise RuntimeError(
                 "BAPO: `search_scope: update` needs the trainer's pass over each optimizer "
                 "update's data (Trinity's verl engine worker runs it); none ran for this call"
@@ -177,12 +178,28 @@ class BAPOPolicyLossFn(PolicyLossFn):
             failed[0] = 1.0
             dist.all_reduce(failed, op=dist.ReduceOp.SUM, group=group)
 
-    def begin_pass(self) -> None:
-        """Until ``end_pass``, calls observe an update's micro-batches: Eq. 8 summed, no loss."""
+    @contextmanager
+    def optimizer_update(self, data, run_pass: Callable):
+        """Around one optimizer update on ``data`` (Trinity's verl worker enters it).
+
+        Under ``search_scope: update``, ``run_pass()`` (the engine's no-grad forward over the
+        update's micro-batches through this loss) sums Eq. 8 over them, the pair is fixed by one
+        all-reduce and holds for the update's training calls; it is released after, whatever
+        happens. Under ``micro_batch`` nothing runs.
+        """
+        if not self.per_update:
+            yield
+            return
         self._pass, self._fixed = {"sums": None, "group": None, "error": None}, None
+        try:
+            run_pass()
+            self._end_pass()
+            yield
+        finally:
+            self._pass = self._fixed = None
 
     def _observe(self, logprob, old_logprob, action_mask, advantages, group):
-        """Add one micro-batch's sums to the pass's; a failure is kept for ``end_pass``.
+        """Add one micro-batch's sums to the pass's; a failure is kept for ``_end_pass``.
 
         No rank raises here: the engine's collectives in the pass's later micro-batches must
         still meet on every rank. The loss returned, whatever the inputs, is a zero that the pass
@@ -199,7 +216,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         zero = logprob.new_zeros(()) if isinstance(logprob, torch.Tensor) else torch.zeros(())
         return zero, {}
 
-    def end_pass(self) -> None:
+    def _end_pass(self) -> None:
         """Fix the update's pair from the pass: one all-reduce over the group its calls got.
 
         A rank whose pass failed joins it with its failure flag set and raises its own error;
@@ -212,10 +229,6 @@ class BAPOPolicyLossFn(PolicyLossFn):
             self._join_failed(state["device"], state["group"])
             raise state["error"]
         self._fixed = self._decide(state["sums"], state["group"])
-
-    def end_update(self) -> None:
-        """Release the update's pair (and a pass left unfinished)."""
-        self._pass = self._fixed = None
 
     def _prepare(self, logprob, old_logprob, action_mask, advantages):
         """Ratio, log-ratio, advantages, unclipped loss, bounds, ``[0, P..., N...]`` in float64."""
