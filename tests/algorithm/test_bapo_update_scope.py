@@ -39,7 +39,7 @@ except ImportError:  # verl < 0.8, Trinity's legacy stack, has no engine
     BaseEngine = object  # type: ignore[misc, assignment]
 
 WORLD = 2
-TIMEOUT = 180  # seconds for the whole two-rank run, start-up included
+TIMEOUT = 300  # seconds for the whole two-rank run, start-up included (a loaded machine)
 PROMPT_LEN = 2
 ARGS = {"search_scope": "update"}  # the paper's settings otherwise
 SHAPES = {0: ((4, 40), 0.5, 2), 1: ((2, 3), 0.8, 1)}  # rank: shape, share of A > 0, rows per call
