@@ -28,8 +28,8 @@ TARGETS = {
     "bapo_over_ppo_fwd_bwd": ("BAPO / PPO forward + backward", 1.5, 2.0, False),
     "dp_speedup_vs_per_candidate_allreduce": ("DP per-candidate / ours", 10.0, 5.0, True),
     "collectives_per_call": ("collectives per synced call", 1, 1, None),
-    # the failure flag, P at the paper grid's 37 upper bounds and N at its 16 lower ones
-    "all_reduce_values_per_call": ("values per synced all-reduce", 54, 54, None),
+    # P at the paper grid's 37 upper bounds and N at its 16 lower ones
+    "all_reduce_values_per_call": ("values per synced all-reduce", 53, 53, None),
 }
 # cuda_tokens: the CUDA loss-only sizes; step: (rows, prompt, response) tokens of the model's step
 SIZES: Dict[str, Dict[str, Any]] = {

@@ -7,12 +7,11 @@ here.
 """
 
 import sys
-import time
 
 import torch.distributed as dist
 
 from tests.inputs import CASES, CONFIGS, DTYPES, OVERFLOWS, loss_kwargs, make_case, overflow_case
-from tests.ranks import call_bapo, main, outcome
+from tests.ranks import call_bapo, main
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 
 SIZES = (2, 3, 4)
@@ -117,54 +116,11 @@ def check_overflow(ctx) -> dict:
     return by_size(ctx, run)
 
 
-# Of eleven calls, those that fail on the group's last rank, and how (a meta tensor is on a
-# device that no backend reduces on); the calls between and after are good.
-BAD_CALLS = {1: "bool_advantages", 3: "short_old_logprob", 5: "none_logprob"}
-BAD_CALLS.update({7: "list_advantages", 9: "meta_logprob"})
-
-
-def bad_case(data: dict, kind: str) -> dict:
-    """``data`` with the fault ``kind`` of ``BAD_CALLS``."""
-    if kind == "bool_advantages":
-        return {**data, "advantages": data["advantages"] > 0}
-    if kind == "short_old_logprob":  # one response token fewer than the log-probs
-        return {**data, "old_logprob": data["old_logprob"][:, :-1]}
-    if kind == "list_advantages":
-        return {**data, "advantages": data["advantages"].tolist()}
-    return {**data, "logprob": None if kind == "none_logprob" else data["logprob"].to("meta")}
-
-
-def check_failure(ctx) -> dict:
-    """The last rank's inputs fail in the calls of ``BAD_CALLS``, before the all-reduce.
-
-    Every rank records what each call returned or raised, and how long it took; the failing
-    rank also records what the same bad input raises with no group. The good calls between and
-    after show that the group's collectives stayed in step.
-    """
-
-    def run(group, size):
-        data = make_case("mixed", ctx.rank, size)
-        loss_fn = BAPOPolicyLossFn(**loss_kwargs("paper_upper"))
-        calls, seconds, alone = [], [], {}
-        for call in range(11):
-            case = data
-            if call in BAD_CALLS and ctx.rank == size - 1:
-                case = bad_case(data, BAD_CALLS[call])
-                alone[call] = outcome(lambda: call_bapo(ctx, loss_fn, case, None))
-            start = time.monotonic()
-            calls.append(outcome(lambda: call_bapo(ctx, loss_fn, case, group)))
-            seconds.append(time.monotonic() - start)
-        return {"data": lists(data), "calls": calls, "seconds": seconds, "alone": alone}
-
-    return by_size(ctx, run)
-
-
 CHECKS = {
     "oracle": check_oracle,
     "local": check_local,
     "nonfinite": check_nonfinite,
     "overflow": check_overflow,
-    "failure": check_failure,  # last: before the fix of a hang, it ended the job
 }
 
 if __name__ == "__main__":

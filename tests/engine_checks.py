@@ -50,14 +50,13 @@ PHASES = {
 }
 # Per-update phases (``search_scope: update``): a config, sequences per micro-batch (0: dynamic
 # batch sizes, at most DYNAMIC_TOKENS tokens per micro-batch), arguments changed (the paper's
-# grid with a target of 0.5, which this data moves); ``update_fail``: rank 1's pass fails.
+# grid with a target of 0.5, which this data moves).
 UPPER = ("paper_upper", {"positive_contribution_target": 0.5})
 UPDATE_PHASES = {
     f"update_{order}_{size or 'dynamic'}": (name, size, extra)
     for order, (name, extra) in (("upper", UPPER), ("lower", ("yaml_lower", {})))
     for size in (1, 2, 4, 0)
 }
-UPDATE_PHASES["update_fail"] = (*UPPER[:1], 2, UPPER[1])
 DYNAMIC_TOKENS = 40
 MUTED = {"muted"}  # phases whose BAPO calls find torch.distributed.all_reduce a no-op
 GRAD_PHASES = ("sync", "authors", "nosync", "muted")  # phases whose gradients ``grads`` checks
@@ -180,23 +179,17 @@ def run_phase(engine, phase: str, options: dict, dp_rank: int, grads_on=False) -
 
 
 def run_update_phase(engine, phase: str, dp_rank: int, grads_on: bool) -> dict:
-    """Train ``STEPS`` updates with ``search_scope: update``, the engine wired as the worker does.
-
-    ``update_fail``: rank 1's advantages are bools in the first update, which BAPO refuses in
-    the pass; every rank's outcome is recorded, then a clean update must take the union's pair.
-    """
+    """Train ``STEPS`` updates with ``search_scope: update``, the engine wired as the worker is."""
     name, size, extra = UPDATE_PHASES[phase]
     kwargs = loss_kwargs(name, search_scope="update", **extra)
     loss = worker_loss(engine, loss_config("bapo", kwargs))
     recorder = LossRecorder(loss, engine.get_data_parallel_group(), keep_inputs=True)
     grads, states, outcomes = list[dict](), list[dict](), list[dict]()
-    check_grads = grads_on and size > 0 and phase != "update_fail"
+    check_grads = grads_on and size > 0
     if check_grads:
         spy_optimizer_step(engine, grads)
     for step in range(STEPS):
         batch = rank_batch(dp_rank, step)
-        if phase == "update_fail" and step == 0 and dp_rank == 1:
-            batch["advantages"] = batch["advantages"] > 0
         data = engine_batch(batch, size or BATCH)
         if size == 0:
             tu.assign_non_tensor(data, use_dynamic_bsz=True, max_token_len_per_gpu=DYNAMIC_TOKENS)

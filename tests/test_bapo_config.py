@@ -135,7 +135,11 @@ def test_example_resolves_to_bapo_and_builds_the_trainers_loss(job_dirs, name):
     assert config.checkpoint_job_dir.startswith(str(job_dirs / "checkpoints"))
     loss = built_loss(config)
     assert type(loss) is BAPOPolicyLossFn
-    assert (loss.sync_across_dp, loss.clip_ratio_c, loss.loss_agg_mode) == (True, 3.0, "token-mean")
+    assert (loss.sync_across_dp, loss.ppo.clip_ratio_c, loss.ppo.loss_agg_mode) == (
+        True,
+        3.0,
+        "token-mean",
+    )
     engine_loss = TrinityPolicyLoss(config.algorithm)
     assert type(engine_loss.policy_loss_fn) is BAPOPolicyLossFn
     assert (engine_loss.use_kl_loss, engine_loss.calculate_entropy) == (False, False)
@@ -199,7 +203,7 @@ def test_loss_agg_mode_reaches_bapo_and_the_trainer(job_dirs, args, sections, mo
     (job_dirs / "config.yaml").write_text(yaml.safe_dump(example))
     config = load_and_validate(job_dirs / "config.yaml")
     assert config.algorithm.loss_agg_mode == mode
-    assert built_loss(config).loss_agg_mode == mode
+    assert built_loss(config).ppo.loss_agg_mode == mode
 
 
 def test_algorithm_type_alone_resolves_to_defaults(tmp_path):
@@ -212,7 +216,10 @@ def test_algorithm_type_alone_resolves_to_defaults(tmp_path):
 def test_sync_flag_reaches_the_loss(tmp_path):
     loss = built_loss(minimal(tmp_path, policy_loss_fn_args={"sync_across_dp": False}))
     assert loss.sync_across_dp is False
-    assert (loss.clip_ratio_c, loss.loss_agg_mode) == (3.0, "token-mean")  # the rest: defaults
+    assert (loss.ppo.clip_ratio_c, loss.ppo.loss_agg_mode) == (
+        3.0,
+        "token-mean",
+    )  # the rest: defaults
 
 
 BAD_ARGUMENTS = [("positive_contribution_target", 1.5), ("search_order", "sideways")]
@@ -269,5 +276,5 @@ def test_misspelt_argument_fails_at_config_validation(job_dirs):
     example = written(MAIN)
     example["algorithm"]["policy_loss_fn_args"] = {"positive_contribution_traget": 0.5}
     (job_dirs / "config.yaml").write_text(yaml.safe_dump(example))
-    with pytest.raises(TypeError, match="positive_contribution_traget"):
+    with pytest.raises(ValueError, match="`positive_contribution_traget`"):
         load_and_validate(job_dirs / "config.yaml")

@@ -13,7 +13,7 @@ import torch
 
 from scripts.harness.launch import tail, torchrun
 from tests import oracle
-from tests.dist_checks import BAD_CALLS, CHECKS, SIZES
+from tests.dist_checks import CHECKS, SIZES
 from tests.inputs import CASES, CONFIGS, DTYPES, chosen, loss_kwargs
 
 WORLD = 4
@@ -129,35 +129,6 @@ def test_nan_on_one_rank_keeps_the_start_pair_everywhere_then_the_next_call_move
             assert rank == size - 1 or math.isfinite(nan["loss"]), (name, rank)
             assert chosen(clean["metrics"]) == want, (name, rank)
     assert any(moved), "the clean union must move the search, for the NaN to stop it"
-
-
-@with_backend
-@with_size
-def test_one_failing_rank_makes_every_rank_raise_in_that_call(launches, backend, size):
-    """The faults of ``BAD_CALLS`` (None, a list, a meta tensor among them) on the last rank.
-
-    That rank raises what the same input raises with no group; the others a RuntimeError of
-    BAPO's saying another rank failed; every rank within seconds, where one left out of the
-    all-reduce would keep the others waiting for the group's timeout (50 s); in the good calls
-    between and after, every rank takes the union's pair again in one all-reduce.
-    """
-    result = results(launches, backend, "failure", size)
-    datas = [rank_result["data"] for rank_result in result]
-    want = oracle.search(oracle.union_tokens(datas), loss_kwargs("paper_upper"))
-    assert oracle.locals_differ(datas, "paper_upper"), "data cannot tell local from synced"
-    for rank, rank_result in enumerate(result):
-        assert max(rank_result["seconds"]) < 10, (rank, rank_result["seconds"])
-        for call, got in enumerate(rank_result["calls"]):
-            where = (rank, call, got)
-            if call not in BAD_CALLS:
-                assert chosen(got["result"]["metrics"]) == want, where
-                assert got["result"]["collectives"] == [ALL_REDUCE], where
-            elif rank == size - 1:
-                assert got == rank_result["alone"][str(call)] and "raised" in got, where
-                assert "another rank" not in got["message"], where
-            else:
-                assert got["raised"] == "RuntimeError", where
-                assert "BAPO" in got["message"] and "another rank" in got["message"], where
 
 
 @with_backend

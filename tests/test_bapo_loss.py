@@ -7,12 +7,10 @@ from the same call on clean inputs, never from the code under test.
 
 import json
 import math
-import re
 import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 import torch
 
@@ -135,10 +133,10 @@ BAD_ARGUMENTS: list[tuple[dict, str, str]] = [
     (dict(ratio_upper_start=0.95), "ratio_upper_start", UPPER),
     (dict(ratio_upper_max=math.inf), "ratio_upper_max", "[1.2, "),
     (dict(ratio_upper_max=10**500), "ratio_upper_max", "[1.2, "),
-    (point(0.8, 1e299), "ratio_upper_start", UPPER),  # beyond float32, which clamp compares in
+    (point(0.8, 1e9), "ratio_upper_start", UPPER),  # beyond exp(20), which no clamped ratio passes
     (dict(ratio_lower_step=0.0), "ratio_lower_step", "> 0"),
-    (dict(ratio_lower_step=-0.02), "ratio_lower_step", "[0, "),
-    (dict(ratio_lower_step=math.nan), "ratio_lower_step", "[0, "),
+    (dict(ratio_lower_step=-0.02), "ratio_lower_step", "> 0"),
+    (dict(ratio_lower_step=math.nan), "ratio_lower_step", NUMBER),
     (dict(ratio_upper_step=0.0), "ratio_upper_step", "> 0"),
     (dict(ratio_upper_step=True), "ratio_upper_step", NUMBER),
     (dict(ratio_upper_step=1e-5), "ratio_upper_step", STEP),
@@ -160,8 +158,6 @@ BAD_ARGUMENTS: list[tuple[dict, str, str]] = [
     (dict(loss_agg_mode="token-sum"), "loss_agg_mode", "seq-mean-token-sum-norm"),
     (dict(sync_across_dp="false"), "sync_across_dp", "true or false"),
     (dict(sync_across_dp=1), "sync_across_dp", "true or false"),
-    (dict(backend="x"), "backend", "'verl'"),
-    (dict(backend=None), "backend", "'verl'"),
     (dict(point(0.8, 1.5), ratio_lower_step="junk"), "ratio_lower_step", NUMBER),
     (dict(point(0.8, 1.5), ratio_upper_step=None), "ratio_upper_step", NUMBER),
     # lower_first's cap adds 1.99995 to 10,000 steps of 1e-4: one candidate too many
@@ -186,9 +182,6 @@ def test_invalid_arguments_name_the_argument_and_range(kwargs, name, allowed):
 
 PAPER_LOWER = [round(0.6 + 0.02 * k, 2) for k in range(16)]  # 0.6, 0.62, ..., 0.9
 PAPER_UPPER = [round(1.2 + 0.05 * k, 2) for k in range(37)]  # 1.2, 1.25, ..., 3.0
-NUMPY = dict(ratio_upper_start=np.int64(1), ratio_upper_max=np.float32(2))
-# The paper's values as float32 scalars: 0.02 as written, not float(np.float32(0.02)) < 0.02
-NUMPY_PAPER = {k: np.float32(v) for k, v in BAPOPolicyLossFn.default_args().items() if "ratio" in k}
 FINE_CAPPED = [round(1 + k / 10**4, 4) for k in range(9999)] + [1.99985]
 SEVENTHS = [0.6, 0.67, 0.74, 0.81, 0.88]  # 0.9 is no step of 0.07 from 0.6
 # Arguments at the edge of what is allowed, and the grids (lower, upper) each must build.
@@ -200,8 +193,6 @@ BOUNDARY_ARGUMENTS = [
     (FINE, None, [round(1 + k / 10**4, 4) for k in range(10**4)]),  # 10,000: the most allowed
     (dict(ratio_lower_step=0.07), SEVENTHS, None),
     (dict(ratio_lower_step=0.07, search_order="lower_first"), SEVENTHS + [0.9], None),  # capped
-    (NUMPY, None, [round(1 + 0.05 * k, 2) for k in range(21)]),
-    (NUMPY_PAPER, None, None),
     # 9,999 steps of 1e-4 and lower_first's cap at 1.99985: 10,000 candidates, the most allowed
     (dict(FINE, ratio_upper_max=1.99985, search_order="lower_first"), None, FINE_CAPPED),
 ]
@@ -279,11 +270,10 @@ FAR_AND_TINY = [
     dict(search_order="lower_first", ratio_lower_step=0.0333333333),  # capped last gap ~1e-10
     dict(search_order="lower_first", ratio_upper_step=0.0499999999999),
     dict(ratio_upper_start=1e8, ratio_upper_max=1e8),  # "no upper clip"
-    dict(ratio_upper_start=3e38, ratio_upper_max=3e38),
     dict(ratio_lower_start=1e-9, ratio_lower_max=1e-9, search_order="lower_first"),
     dict(ratio_lower_start=1e-37, ratio_lower_max=1e-37, search_order="lower_first"),
     dict(ratio_lower_start=1e-30, ratio_lower_max=0.9, ratio_lower_step=0.3),
-    dict(ratio_upper_start=1.0, ratio_upper_max=1e30, ratio_upper_step=1e27),
+    dict(ratio_upper_start=1.0, ratio_upper_max=4e8, ratio_upper_step=1e7),
     dict(ratio_lower_start=0.5, ratio_lower_max=0.5 + 1e-12, ratio_lower_step=1e-13),
 ]
 
@@ -334,30 +324,6 @@ def test_far_points_and_tiny_gaps_clip_where_configured(kwargs):
     ppo = PPOPolicyLossFn(clip_range_low=1 - low, clip_range_high=high - 1, clip_ratio_c=3.0)
     ppo_loss, _ = call(ppo, logprob, old, mask, adv)
     assert torch.isfinite(loss) and loss.item() == pytest.approx(ppo_loss.item(), rel=1e-6)
-
-
-@pytest.mark.parametrize("dtype, beyond", [(torch.float16, 1e5), (torch.bfloat16, 3.4e38)])
-def test_a_bound_beyond_the_dtype_clips_as_its_largest_value(dtype, beyond):
-    """No legal bound fails in the clamp: past the dtype's largest value it acts as that value.
-
-    A point at the bound gives the loss and metrics of a point at the largest value; a search
-    that ends at the bound picks the oracle's pair with bounds capped there.
-    """
-    logprob, old, mask, adv = batch((4, 24), seed=2, spread=0.3, dtype=dtype)
-    top = torch.finfo(dtype).max
-    (far, far_m), (edge, edge_m) = (
-        call(BAPOPolicyLossFn(**point(0.7, high)), logprob, old, mask, adv)
-        for high in (beyond, top)
-    )
-    assert torch.equal(far, edge) and torch.isfinite(far)
-    assert {**far_m, "bapo_clip_high": top} == edge_m and far_m["bapo_clip_high"] == beyond
-    kwargs = dict(BAPOPolicyLossFn.default_args(), ratio_upper_max=beyond)
-    kwargs.update(ratio_upper_step=beyond / 4, positive_contribution_target=1.0)
-    kwargs.update(search_order="lower_first")  # its cap ends the walk at the bound itself
-    loss, m = call(BAPOPolicyLossFn(**kwargs), logprob, old, mask, adv)
-    tokens = oracle.tokens_in(dtype, dict(zip(inputs.BATCH_KEYS, (logprob, old, mask, adv))))
-    assert chosen(m) == oracle.search(tokens, kwargs, bound=oracle.rounded_to(dtype))
-    assert chosen(m)[1] == beyond and torch.isfinite(loss)
 
 
 @pytest.mark.parametrize("field", ["logprob", "old_logprob", "advantages"])
@@ -469,24 +435,6 @@ def test_update_scope_calls_take_the_oracle_pair_on_the_whole_update(order, targ
 def test_update_scope_without_a_pass_raises_rather_than_deciding_per_call():
     with pytest.raises(RuntimeError, match="needs the trainer's pass"):
         call(BAPOPolicyLossFn(search_scope="update"), *UPDATE_BATCHES[0])
-
-
-def test_update_scope_a_failing_micro_batch_in_the_pass_raises_its_own_error_after_it():
-    """The pass goes on past it (no raise mid-pass); the update raises what the call raised."""
-    fn = BAPOPolicyLossFn(search_scope="update")
-    logprob, old, mask, adv = UPDATE_BATCHES[1]
-    with pytest.raises(Exception) as alone:
-        call(BAPOPolicyLossFn(), logprob, old, mask, adv > 0)  # bool advantages
-    batches = [UPDATE_BATCHES[0], (logprob, old, mask, adv > 0), UPDATE_BATCHES[2]]
-    seen = []
-    with pytest.raises(type(alone.value), match=re.escape(str(alone.value))):
-        with fn.optimizer_update(None, lambda: seen.extend(call(fn, *b) for b in batches)):
-            pytest.fail("the update ran after a failed pass")
-    assert len(seen) == 3  # no call raised
-    with fn.optimizer_update(None, lambda: call(fn, *UPDATE_BATCHES[0])):  # the next starts clean
-        assert chosen(call(fn, *UPDATE_BATCHES[0])[1]) == chosen(
-            call(BAPOPolicyLossFn(), *UPDATE_BATCHES[0])[1]
-        )
 
 
 def test_update_scope_a_pass_that_sees_no_micro_batch_raises():

@@ -97,8 +97,8 @@ def test_bench_dp_call_is_one_all_reduce_and_the_baseline_one_per_candidate(benc
     _, result = bench
     collectives = result["dp"]["collectives"]
     assert result["collectives_per_call"] == 1  # a fresh loss's first call
-    # the failure flag, Eq. 8's P at each of the 37 upper bounds and N at each of the 16 lower
-    assert result["all_reduce_values_per_call"] == 1 + UPPER + LOWER
+    # Eq. 8's P at each of the 37 upper bounds and N at each of the 16 lower
+    assert result["all_reduce_values_per_call"] == UPPER + LOWER
     assert collectives["loss_unsynced"] == 0
     # the authors' loop reads rho at each of the 16 lower bounds, then at each of the 37 upper
     assert collectives["authors"] == LOWER + UPPER

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from scripts.harness.cases import CHOICE, PAPER, authors_loop, bench_batch, product_search
 from scripts.harness.launch import gather_rows
-from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
+from trinity.algorithm.policy_loss_fn.bapo_policy_loss import LOG_RATIO_CLAMP, BAPOPolicyLossFn
 
 WARMUP, CALLS_PER_REPEAT = 2, 8  # the bench's untimed repeats; calls per timed repeat
 
@@ -52,7 +52,8 @@ def run_bench(args) -> int:
     with CollectiveCounter() as counter:  # a fresh loss's first call
         first = loss_fn(**batch, dp_group=group)[1]
     ours = BAPOPolicyLossFn(**{**PAPER, "search_order": "lower_first"})
-    ratio, _, advantages, *_ = ours._prepare(**batch)
+    log_ratio, advantages, *_ = ours._prepare(**batch)
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # as PPO's loss takes it
 
     def authors():
         all_reduce = functools.partial(dist.all_reduce, group=group)

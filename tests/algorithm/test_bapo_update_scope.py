@@ -6,8 +6,8 @@ are, on an engine whose forward hands each micro-batch's ready log-probs to Trin
 verl's FSDP engine does after its model. The actor worker's `set_trinity_config` gets that engine
 and builds the loss, and each update is the call verl's TrainingWorker makes. Then every training
 call of an update takes the pair one process chooses on the union of both ranks' micro-batches,
-after exactly one all-reduce; without the worker BAPO refuses to guess; a rank failing in the
-pass makes both raise. The trainer validator refuses `update` where the pass would differ.
+after exactly one all-reduce; without the worker BAPO refuses to guess. The trainer validator
+refuses `update` where the pass would differ.
 """
 
 import json
@@ -181,7 +181,7 @@ def update(rank, args, batch, worker=True):
 
 
 def run_rank(rank, store):
-    """One rank: updates with and without the hook, sync off, and a failing pass."""
+    """One rank: updates with and without the hook, and sync off."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -190,16 +190,12 @@ def run_rank(rank, store):
         world_size=WORLD,
         timeout=timedelta(seconds=60),
     )
-    batch, bad = rank_batch(rank), rank_batch(rank, seed=1)
-    if rank == 1:
-        bad["advantages"] = bad["advantages"] > 0  # bool: BAPO refuses it in the pass
+    batch = rank_batch(rank)
     record = {
         "update": update(rank, ARGS, batch),
         "authors": update(rank, {**ARGS, "search_order": "lower_first"}, batch),
         "alone": update(rank, {**ARGS, "sync_across_dp": False}, batch),
         "unhooked": update(rank, ARGS, batch, worker=False),
-        "failure": update(rank, ARGS, bad),
-        "after": update(rank, ARGS, batch),
     }
     (Path(store).parent / f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
@@ -322,13 +318,6 @@ class BAPOUpdateScopeTest(unittest.TestCase):
         """No pass ran: BAPO refuses to decide per call in its place."""
         for record in self.ranks:
             self.assertRegex(record["unhooked"]["raised"], "^RuntimeError: BAPO: .*pass")
-
-    def test_one_rank_failing_in_the_pass_makes_every_rank_raise(self):
-        """Rank 1's bad inputs raise there; rank 0 raises BAPO's error; the group goes on."""
-        self.assertRegex(self.ranks[0]["failure"]["raised"], "^RuntimeError: BAPO: .*another rank")
-        self.assertNotRegex(self.ranks[1]["failure"]["raised"], "another rank")
-        union = single_process_pair(ARGS, self.batches)
-        self.assertEqual([record["after"]["pairs"] for record in self.ranks], [[union] * 2] * 2)
 
 
 if __name__ == "__main__":

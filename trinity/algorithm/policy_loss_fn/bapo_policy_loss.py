@@ -7,31 +7,25 @@ over the update's micro-batches that the trainer runs first (``optimizer_update`
 """
 
 import math
-import numbers
 from contextlib import contextmanager
 from fractions import Fraction
 from typing import Callable, Dict, List, Optional, Tuple, cast
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from trinity.algorithm.key_mapper import ALL_MAPPERS
 from trinity.algorithm.policy_loss_fn.policy_loss_fn import PolicyLossFn
-from trinity.algorithm.utils import aggregate_loss, masked_mean
+from trinity.algorithm.policy_loss_fn.ppo_policy_loss import PPOPolicyLossFn
 
 LOG_RATIO_CLAMP = 20.0  # |log r| is clamped as PPOPolicyLossFn does
+MAX_RATIO = math.exp(LOG_RATIO_CLAMP)  # no ratio exceeds it: a larger c_high would never clip
 MAX_CANDIDATES = 10_000  # per range: a call sums Eq. 8 at every candidate, so the grid is held
-FLOAT32_MAX = torch.finfo(torch.float32).max  # the largest bound torch.clamp takes for float32
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def number(name: str, value, low: float, high: float) -> float:
     """``value`` as a float; a ``ValueError`` naming ``name`` unless it is a number in range."""
-    if isinstance(value, np.floating):  # as it prints: np.float32(0.02) is 0.0199999995 as a float
-        value = float(str(value))
-    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not (real and low <= cast(float, value) <= high):
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) and low <= value <= high):
         raise ValueError(f"BAPO: `{name}` must be a number in [{low}, {high}]: {value!r}")
     return float(value)
 
@@ -41,19 +35,28 @@ def candidates(name: str, start, maximum, step, low: float, high: float, cap: bo
     # 0.6 + 15 * 0.02 is 0.9 here, not 0.8999...; ``cap``: the authors' min(c + step, max) end
     start = number(f"{name}_start", start, low, high)
     maximum = number(f"{name}_max", maximum, start, high)
-    if start == maximum:  # a point: its step is never used, but a typo in it is still refused
-        number(f"{name}_step", step, -math.inf, math.inf)
+    step = number(f"{name}_step", step, -math.inf, math.inf)  # a point never uses its step
+    if start == maximum:
         return [start]
-    a, b, d = (Fraction(str(x)) for x in (start, maximum, number(f"{name}_step", step, 0, high)))
+    a, b, d = (Fraction(str(x)) for x in (start, maximum, step))
     if not (d > 0 and (b - a) // d + 1 + (cap and (b - a) % d != 0) <= MAX_CANDIDATES):
         raise ValueError(f"BAPO: `{name}_step` must be > 0, for {MAX_CANDIDATES} bounds at most")
     grid = [float(a + k * d) for k in range((b - a) // d + 1)]
     return grid + [maximum] if cap and grid[-1] < maximum else grid
 
 
-def collective_device(group) -> Optional[str]:
-    """Where ``group``'s all-reduce runs: the device of its backend for host-bound collectives."""
-    return None if group is None else dist.distributed_c10d._get_object_coll_device(group)
+def clip_sums(r: torch.Tensor, side: torch.Tensor, a: torch.Tensor, bounds, upper: bool):
+    """Eq. 8 over the tokens of ``side``: sum |A| min(r, c) (``upper``) or sum |A| max(r, c).
+
+    Tokens are filed by how many bounds lie below r; cumulative sums give every bound's total.
+    """
+    r, weight = r.where(side, 0.0), a.abs().where(side, 0.0)  # 0, not 0 * inf (float16's) = NaN
+    index = torch.searchsorted(bounds, r)  # bounds[:index] < r <= bounds[index:]
+    values = torch.stack([weight, weight * r], 1)
+    bins = r.new_zeros(len(bounds) + 1, 2).index_add_(0, index, values)
+    below = bins.cumsum(0)[:-1]  # tokens with r <= c: weight and weight * r, per bound
+    above = bins.flip(0).cumsum(0).flip(0)[1:]  # tokens with r > c
+    return below[:, 1] + bounds * above[:, 0] if upper else above[:, 1] + bounds * below[:, 0]
 
 
 class BAPOPolicyLossFn(PolicyLossFn):
@@ -77,13 +80,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         sync_across_dp: bool = True,  # choose over the dp_group that the trainer passes
         search_scope: str = "micro_batch",  # update: one pair per optimizer update
     ) -> None:
-        """Check every argument, so that a bad config fails before training starts.
-
-        Where the literal loop would keep the start pair silently, upper_first refuses a lower
-        range without room for a step beside a movable upper range: it could never adapt.
-        """
-        if not (isinstance(backend, str) and backend in ALL_MAPPERS):
-            raise ValueError(f"BAPO: `backend` must be one of {list(ALL_MAPPERS)}: {backend!r}")
+        """Check every argument a config can hold, so that a bad one fails at validation."""
         super().__init__(backend=backend)
         if not isinstance(sync_across_dp, bool):  # a quoted 'false' from YAML would sync
             raise ValueError(f"BAPO: `sync_across_dp` must be true or false: {sync_across_dp!r}")
@@ -92,25 +89,25 @@ class BAPOPolicyLossFn(PolicyLossFn):
         if loss_agg_mode not in AGG_MODES:
             raise ValueError(f"BAPO: `loss_agg_mode` must be one of {', '.join(AGG_MODES)}")
         self.target = number("positive_contribution_target", positive_contribution_target, 0, 1)
-        self.clip_ratio_c = number("clip_ratio_c", clip_ratio_c, 1, FLOAT32_MAX)
-        if self.clip_ratio_c == 1:
+        clip_ratio_c = number("clip_ratio_c", clip_ratio_c, 1, math.inf)
+        if clip_ratio_c == 1:
             raise ValueError("BAPO: `clip_ratio_c` must be > 1")
         self.upper_first = search_order == "upper_first"
         lower = (ratio_lower_start, ratio_lower_max, ratio_lower_step, 0.0, 1.0)
-        upper = (ratio_upper_start, ratio_upper_max, ratio_upper_step, 1.0, FLOAT32_MAX)
+        upper = (ratio_upper_start, ratio_upper_max, ratio_upper_step, 1.0, MAX_RATIO)
         self.lower = candidates("ratio_lower", *lower, cap=not self.upper_first)
         self.upper = candidates("ratio_upper", *upper, cap=not self.upper_first)
-        if self.upper_first and len(self.lower) == 1 and len(self.upper) > 1:
+        if self.upper_first and len(self.lower) == 1 and len(self.upper) > 1:  # c_high would stay
             raise ValueError(
-                "BAPO: under `search_order: upper_first` c_high rises only while c_low has room for"
-                " a step: give `ratio_lower_max` room for a `ratio_lower_step`, or use lower_first"
+                "BAPO: upper_first needs `ratio_lower_max` room for a step of c_low, or lower_first"
             )
-        self.loss_agg_mode = loss_agg_mode
         self.sync_across_dp = sync_across_dp
+        # PPO's loss; each call sets its pair: c_low = 1 - clip_range_low, 1 + clip_range_high
+        self.ppo = PPOPolicyLossFn(backend, 0, 0, 0, clip_ratio_c, loss_agg_mode)
         if search_scope not in ("micro_batch", "update"):
             raise ValueError("BAPO: `search_scope` must be micro_batch or update")
         self.per_update = search_scope == "update"
-        self._pass: Optional[dict] = None  # while the pass runs: its summed Eq. 8, group, error
+        self._pass: Optional[dict] = None  # while the pass runs: its summed Eq. 8 and group
         self._fixed: Optional[Tuple[int, int, float]] = None  # the update's pair and rho
 
     def __call__(  # type: ignore
@@ -122,12 +119,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         dp_group=None,
         **kwargs,
     ) -> Tuple[torch.Tensor, Dict]:
-        """Choose this call's clip pair (over the dp_group); return the clipped loss and metrics.
-
-        A rank whose inputs fail (whatever they are) still joins the one all-reduce, with its
-        failure flag set, on the device of the group's backend: every rank raises in this call,
-        that rank its own error, the others a ``RuntimeError``.
-        """
+        """The clip pair chosen over the dp_group, and PPO's loss and metrics at that pair."""
         group = dp_group if self.sync_across_dp and dist.is_initialized() else None
         if self._pass is not None:
             return self._observe(logprob, old_logprob, action_mask, advantages, group)
@@ -136,20 +128,14 @@ class BAPOPolicyLossFn(PolicyLossFn):
                 "BAPO: `search_scope: update` needs the trainer's pass over each optimizer "
                 "update's data (Trinity's verl engine worker runs it); none ran for this call"
             )
-        if self._fixed is not None:  # the update's pair, agreed in its pass: no collective
-            group = None
-        device = collective_device(group)
-        try:
-            ratio, log_ratio, advantages, unclipped, bounds, sums = self._prepare(
-                logprob, old_logprob, action_mask, advantages
-            )
-            sums = sums if device is None else sums.to(device)
-        except Exception:
-            self._join_failed(device, group)
-            raise
-        i, j, rho = self._fixed or self._decide(sums, group)
-        low, high = bounds[0][i], bounds[1][j]
-        pg_loss, metrics = self._clipped_loss(ratio, advantages, unclipped, action_mask, low, high)
+        log_ratio, advantages, low, high, sums = self._prepare(
+            logprob, old_logprob, action_mask, advantages
+        )
+        if group is not None and self._fixed is None:  # the fixed pair needs no collective
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)  # Eq. 8 on the ranks' union
+        i, j, rho = self._fixed or self._search(sums.tolist())
+        self.ppo.clip_range_low, self.ppo.clip_range_high = 1.0 - low[i], high[j] - 1.0
+        pg_loss, metrics = self.ppo(log_ratio, log_ratio.new_zeros(()), action_mask, advantages)
         return pg_loss, {
             "bapo_clip_low": self.lower[i],
             "bapo_clip_high": self.upper[j],
@@ -157,26 +143,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
             "bapo_target_met": float(rho >= self.target),
             "bapo_search_steps": i + j,
             **metrics,
-            "ppo_kl": masked_mean(-log_ratio, action_mask).detach().item(),
-            "pg_loss": pg_loss.detach().item(),
         }
-
-    def _decide(self, sums: torch.Tensor, group) -> Tuple[int, int, float]:
-        """The pair and rho on ``sums`` summed over ``group``; raises if a rank's flag is set."""
-        if group is not None:
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-        values = sums.tolist()
-        if values[0] > 0:
-            raise RuntimeError("BAPO: the policy loss failed on another rank of the dp_group")
-        return self._search(values)
-
-    def _join_failed(self, device, group) -> None:
-        """Join the all-reduce that the other ranks of ``group`` make, with the failure flag set."""
-        if device is not None:
-            size = 1 + len(self.upper) + len(self.lower)
-            failed = torch.zeros(size, dtype=torch.float64, device=device)
-            failed[0] = 1.0
-            dist.all_reduce(failed, op=dist.ReduceOp.SUM, group=group)
 
     @contextmanager
     def optimizer_update(self, data, run_pass: Callable):
@@ -190,7 +157,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         if not self.per_update:
             yield
             return
-        self._pass, self._fixed = {"sums": None, "group": None, "error": None}, None
+        self._pass, self._fixed = {"sums": None, "group": None}, None
         try:
             run_pass()
             self._end_pass()
@@ -199,69 +166,40 @@ class BAPOPolicyLossFn(PolicyLossFn):
             self._pass = self._fixed = None
 
     def _observe(self, logprob, old_logprob, action_mask, advantages, group):
-        """Add one micro-batch's sums to the pass's; a failure is kept for ``_end_pass``.
-
-        No rank raises here: the engine's collectives in the pass's later micro-batches must
-        still meet on every rank. The loss returned, whatever the inputs, is a zero that the pass
-        does not use.
-        """
+        """Add one micro-batch's sums to the pass's; its loss is a zero the pass does not use."""
         state = cast(dict, self._pass)
-        state.update(group=group, device=collective_device(group), seen=True)
-        try:
-            sums = self._prepare(logprob, old_logprob, action_mask, advantages)[-1]
-            sums = sums if state["device"] is None else sums.to(state["device"])
-            state["sums"] = sums if state["sums"] is None else state["sums"] + sums
-        except Exception as error:
-            state["error"] = state["error"] or error
-        zero = logprob.new_zeros(()) if isinstance(logprob, torch.Tensor) else torch.zeros(())
-        return zero, {}
+        sums = self._prepare(logprob, old_logprob, action_mask, advantages)[-1]
+        state.update(group=group, sums=sums if state["sums"] is None else state["sums"] + sums)
+        return logprob.new_zeros(()), {}
 
     def _end_pass(self) -> None:
-        """Fix the update's pair from the pass: one all-reduce over the group its calls got.
-
-        A rank whose pass failed joins it with its failure flag set and raises its own error;
-        the others raise a ``RuntimeError``, as in a failing call under ``micro_batch``.
-        """
+        """Fix the update's pair from the pass: one all-reduce over the group its calls got."""
         state, self._pass = cast(dict, self._pass), None
-        if "seen" not in state:
+        if state["sums"] is None:
             raise RuntimeError("BAPO: the pass over the optimizer update saw no micro-batch")
-        if state["error"] is not None:
-            self._join_failed(state["device"], state["group"])
-            raise state["error"]
-        self._fixed = self._decide(state["sums"], state["group"])
+        if state["group"] is not None:
+            dist.all_reduce(state["sums"], op=dist.ReduceOp.SUM, group=state["group"])
+        self._fixed = self._search(state["sums"].tolist())
 
     def _prepare(self, logprob, old_logprob, action_mask, advantages):
-        """Ratio, log-ratio, advantages, unclipped loss, bounds, ``[0, P..., N...]`` in float64."""
-        # Eq. 8 at every candidate: P = sum_{A>0} A min(r, c_high), N = sum_{A<0} |A| max(r,
-        # c_low); slot 0 is the failure flag. Masked tokens are zeroed first: no NaN there counts.
+        """Log-ratio, advantages (masked tokens zeroed), bounds in the ratio's dtype, Eq. 8 sums."""
+        # [P..., N...] in float64: P = sum_{A>0} A min(r, c_high), N = sum_{A<0} |A| max(r, c_low)
         masked = action_mask == 0
         advantages = advantages.masked_fill(masked, 0.0)
         log_ratio = (logprob - old_logprob).masked_fill(masked, 0.0)
-        log_ratio = torch.clamp(log_ratio, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
-        ratio = torch.exp(log_ratio)
-        unclipped = -advantages * ratio
-        r, a = ratio.detach().reshape(-1).double(), advantages.detach().reshape(-1).double()
-        # The bounds as torch.clamp compares them with ``ratio``; one past the dtype's largest
-        # finite value clips as that value (torch.clamp refuses it: overflow).
-        top = torch.finfo(ratio.dtype).max
-        lower, upper = ([min(c, top) for c in grid] for grid in (self.lower, self.upper))
-        bounds = [torch.tensor(grid, dtype=ratio.dtype).tolist() for grid in (lower, upper)]
-        # A token weighs in P only where A > 0 and in N only where A < 0: elsewhere its ratio
-        # (inf in float16 past log r = 11.09) is replaced, since 0 * inf would make a sum NaN.
-        positive, negative = a.clamp(min=0), -a.clamp(max=0)
-        r_positive, r_negative = torch.where(a > 0, r, 0.0), torch.where(a < 0, r, 0.0)
-        clamped = torch.empty_like(r)  # one buffer for every candidate: no allocation per bound
-        sums = [a.new_zeros(())]
-        sums += [positive @ torch.clamp(r_positive, max=c, out=clamped) for c in bounds[1]]
-        sums += [negative @ torch.clamp(r_negative, min=c, out=clamped) for c in bounds[0]]
-        return ratio, log_ratio, advantages, unclipped, bounds, torch.stack(sums)
+        ratio = torch.exp(torch.clamp(log_ratio.detach(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        # The bounds as torch.clamp compares them with the ratio: 1.2 is 1.203125 in bfloat16.
+        low, high = (torch.tensor(c, dtype=ratio.dtype).double() for c in (self.lower, self.upper))
+        r, a = ratio.reshape(-1).double(), advantages.detach().reshape(-1).double()
+        sums = torch.cat([clip_sums(r, a > 0, a, high, True), clip_sums(r, a < 0, a, low, False)])
+        nan = torch.where(a == 0, 0.0, a * r).isnan().any()  # a NaN that Eq. 8 would sum
+        return log_ratio, advantages, low.tolist(), high.tolist(), sums.masked_fill(nan, math.nan)
 
     def _search(self, sums: List[float]) -> Tuple[int, int, float]:
         """Indices of (c_low, c_high) and rho there: the path's first pair with rho not < rho0."""
-        # Algorithm 1 raises c_high to b+, then c_low to b-; the authors' code c_low, then c_high.
-        # A NaN rho (a NaN on some rank) is not < rho0: every rank keeps the start pair.
+        # A NaN rho (a NaN on any rank) is not < rho0: every rank keeps the start pair.
         n_lower, n_upper = len(self.lower), len(self.upper)
-        positive, negative = sums[1 : 1 + n_upper], sums[1 + n_upper :]
+        positive, negative = sums[:n_upper], sums[n_upper:]
 
         def rho(i: int, j: int) -> float:
             total = positive[j] + negative[i]
@@ -273,18 +211,6 @@ class BAPOPolicyLossFn(PolicyLossFn):
             path = [(i, 0) for i in range(n_lower)] + [(n_lower - 1, j) for j in range(1, n_upper)]
         i, j = next((pair for pair in path if not rho(*pair) < self.target), path[-1])
         return i, j, rho(i, j)
-
-    def _clipped_loss(self, ratio, advantages, unclipped, mask, low: float, high: float):
-        """The clipped loss of PPOPolicyLossFn and its clip fractions, at bounds (low, high)."""
-        clipped = -advantages * torch.clamp(ratio, low, high)
-        losses = torch.maximum(unclipped, clipped)
-        metrics = {"pg_clipfrac": masked_mean(torch.gt(clipped, unclipped).float(), mask).item()}
-        dual = -advantages * self.clip_ratio_c
-        negative = advantages < 0
-        dual_clipped = (torch.gt(losses, dual) & negative).float()
-        metrics["pg_clipfrac_lower"] = masked_mean(dual_clipped, mask).item()
-        losses = torch.where(negative, torch.min(dual, losses), losses)
-        return aggregate_loss(losses, mask, loss_agg_mode=self.loss_agg_mode), metrics
 
     @classmethod
     def default_args(cls) -> Dict:
