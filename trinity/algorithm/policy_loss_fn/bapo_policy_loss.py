@@ -45,17 +45,9 @@ def candidates(name: str, start, maximum, step, low: float, high: float, cap: bo
     return grid + [maximum] if cap and grid[-1] < maximum else grid
 
 
-def clip_sums(r: torch.Tensor, side: torch.Tensor, a: torch.Tensor, bounds, upper: bool):
-    """Eq. 8 over the tokens of ``side``: sum |A| min(r, c) (``upper``) or sum |A| max(r, c).
-
-    Tokens are filed by how many bounds lie below r; cumulative sums give every bound's total.
-    """
-    r, weight = r.where(side, 0.0), a.abs().where(side, 0.0)  # 0, not 0 * inf (float16's) = NaN
-    index = torch.searchsorted(bounds, r)  # bounds[:index] < r <= bounds[index:]
-    values = torch.stack([weight, weight * r], 1)
-    bins = r.new_zeros(len(bounds) + 1, 2).index_add_(0, index, values)
-    below = bins.cumsum(0)[:-1]  # tokens with r <= c: weight and weight * r, per bound
-    above = bins.flip(0).cumsum(0).flip(0)[1:]  # tokens with r > c
+def totals(bins: torch.Tensor, bounds: torch.Tensor, upper: bool) -> torch.Tensor:
+    """Eq. 8 at every bound c from its side's buckets: sum |A| min(r, c), or max(r, c) if lower."""
+    below, above = bins.cumsum(0)[:-1], bins.flip(0).cumsum(0).flip(0)[1:]  # r <= c, r > c
     return below[:, 1] + bounds * above[:, 0] if upper else above[:, 1] + bounds * below[:, 0]
 
 
@@ -102,8 +94,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
                 "BAPO: upper_first needs `ratio_lower_max` room for a step of c_low, or lower_first"
             )
         self.sync_across_dp = sync_across_dp
-        # PPO's loss; each call sets its pair: c_low = 1 - clip_range_low, 1 + clip_range_high
-        self.ppo = PPOPolicyLossFn(backend, 0, 0, 0, clip_ratio_c, loss_agg_mode)
+        self.ppo = PPOPolicyLossFn(backend, 0, 0, 0, clip_ratio_c, loss_agg_mode)  # pair per call
         if search_scope not in ("micro_batch", "update"):
             raise ValueError("BAPO: `search_scope` must be micro_batch or update")
         self.per_update = search_scope == "update"
@@ -134,7 +125,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         if group is not None and self._fixed is None:  # the fixed pair needs no collective
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)  # Eq. 8 on the ranks' union
         i, j, rho = self._fixed or self._search(sums.tolist())
-        self.ppo.clip_range_low, self.ppo.clip_range_high = 1.0 - low[i], high[j] - 1.0
+        self.ppo.clip_range_low, self.ppo.clip_range_high = 1.0 - low[i], high[j] - 1.0  # PPO's eps
         pg_loss, metrics = self.ppo(log_ratio, log_ratio.new_zeros(()), action_mask, advantages)
         return pg_loss, {
             "bapo_clip_low": self.lower[i],
@@ -190,10 +181,18 @@ class BAPOPolicyLossFn(PolicyLossFn):
         ratio = torch.exp(torch.clamp(log_ratio.detach(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         # The bounds as torch.clamp compares them with the ratio: 1.2 is 1.203125 in bfloat16.
         low, high = (torch.tensor(c, dtype=ratio.dtype).double() for c in (self.lower, self.upper))
+        bounds, n = torch.cat([low, high]).to(ratio.device), len(self.lower)  # lower <= 1 <= upper
         r, a = ratio.reshape(-1).double(), advantages.detach().reshape(-1).double()
-        sums = torch.cat([clip_sums(r, a > 0, a, high, True), clip_sums(r, a < 0, a, low, False)])
-        nan = torch.where(a == 0, 0.0, a * r).isnan().any()  # a NaN that Eq. 8 would sum
-        return log_ratio, advantages, low.tolist(), high.tolist(), sums.masked_fill(nan, math.nan)
+        # Each token is filed once, by its side and the bounds below r: |A| and |A| r (0 if A = 0)
+        values = torch.stack([a.abs(), torch.where(a == 0, 0.0, a.abs() * r)], 1)
+        index = torch.searchsorted(bounds, r)
+        index = torch.where(a > 0, index.clamp(min=n) + 1, index.clamp(max=n))
+        bins = r.new_zeros(len(bounds) + 2, 2).index_add_(0, index, values)
+        upper, lower = totals(bins[n + 1 :], bounds[n:], True), totals(
+            bins[: n + 1], bounds[:n], False
+        )
+        sums = torch.cat([upper, lower]).masked_fill(bins.isnan().any(), math.nan)  # rho NaN
+        return log_ratio, advantages, low.tolist(), high.tolist(), sums
 
     def _search(self, sums: List[float]) -> Tuple[int, int, float]:
         """Indices of (c_low, c_high) and rho there: the path's first pair with rho not < rho0."""
