@@ -48,7 +48,7 @@ def candidates(name: str, start, maximum, step, low: float, high: float, cap: bo
 def totals(bins: torch.Tensor, bounds: torch.Tensor, upper: bool) -> torch.Tensor:
     """Eq. 8 at every bound c from its side's buckets: sum |A| min(r, c), or max(r, c) if lower."""
     below, above = bins.cumsum(0)[:-1], bins.flip(0).cumsum(0).flip(0)[1:]  # r <= c, r > c
-    return below[:, 1] + bounds * above[:, 0] if upper else above[:, 1] + bounds * below[:, 0]
+    return below[:, 0] + bounds * above[:, 1] if upper else above[:, 0] + bounds * below[:, 1]
 
 
 class BAPOPolicyLossFn(PolicyLossFn):
@@ -180,17 +180,18 @@ class BAPOPolicyLossFn(PolicyLossFn):
         log_ratio = (logprob - old_logprob).masked_fill(masked, 0.0)
         ratio = torch.exp(torch.clamp(log_ratio.detach(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         # The bounds as torch.clamp compares them with the ratio: 1.2 is 1.203125 in bfloat16.
-        low, high = (torch.tensor(c, dtype=ratio.dtype).double() for c in (self.lower, self.upper))
+        exact = torch.promote_types(ratio.dtype, torch.float32)  # holds the ratio and the bounds
+        low, high = (torch.tensor(c, dtype=ratio.dtype).to(exact) for c in (self.lower, self.upper))
         bounds, n = torch.cat([low, high]).to(ratio.device), len(self.lower)  # lower <= 1 <= upper
-        r, a = ratio.reshape(-1).double(), advantages.detach().reshape(-1).double()
-        # Each token is filed once, by its side and the bounds below r: |A| and |A| r (0 if A = 0)
-        values = torch.stack([a.abs(), torch.where(a == 0, 0.0, a.abs() * r)], 1)
-        index = torch.searchsorted(bounds, r)
+        a = advantages.detach().reshape(-1).double()
+        index = torch.searchsorted(bounds, ratio.reshape(-1).to(exact))  # bounds below each r
         index = torch.where(a > 0, index.clamp(min=n) + 1, index.clamp(max=n))
-        bins = r.new_zeros(len(bounds) + 2, 2).index_add_(0, index, values)
-        upper, lower = totals(bins[n + 1 :], bounds[n:], True), totals(
-            bins[: n + 1], bounds[:n], False
-        )
+        weight, r = a.abs(), ratio.reshape(-1).double()
+        bins = [torch.where(a == 0, 0.0, weight * r), weight]  # |A| r (0, not NaN, if A = 0), |A|
+        bins = torch.stack([a.new_zeros(len(bounds) + 2).index_add_(0, index, v) for v in bins], 1)
+        bounds = bounds.double()
+        upper = totals(bins[n + 1 :], bounds[n:], True)
+        lower = totals(bins[: n + 1], bounds[:n], False)
         sums = torch.cat([upper, lower]).masked_fill(bins.isnan().any(), math.nan)  # rho NaN
         return log_ratio, advantages, low.tolist(), high.tolist(), sums
 
