@@ -43,6 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     study.add_argument("--seeds", type=int, default=3, help="seeds per variant and level")
     study.add_argument("--workers", type=int, default=2, help="launches trained in parallel")
     study.add_argument("--quick", action="store_true", help="6 steps, 2 seeds: a smoke run")
+    study.add_argument("--variants", default=",".join(v.name for v in all_variants()))
+    study.add_argument("--levels", default=",".join(LEVELS), help="staleness levels trained")
+    study.add_argument("--micro-batches", type=int, default=1, help="loss calls per update")
     sens.add_argument("--sequences", type=int, default=32, help="sequences in the mini-batch")
     sens.add_argument("--ranks", default="1,2,4", help="gloo rank counts")
     sens.add_argument("--micro", default="1,2,4,8", help="sequences per call and rank")
@@ -51,6 +54,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.steps, args.seeds = 6, 2
     if args.steps < 1 or min(getattr(args, key, 1) for key in ("seeds", "workers")) < 1:
         p.error("--steps, --seeds and --workers must be at least 1")
+    known = {v.name for v in all_variants()}
+    if args.job == "study" and not set(args.variants.split(",")) <= known:
+        p.error(f"--variants takes names among {sorted(known)}, comma-separated")
+    if args.job == "study" and not set(args.levels.split(",")) <= set(LEVELS):
+        p.error(f"--levels takes names among {list(LEVELS)}, comma-separated")
     return args
 
 
@@ -93,8 +101,9 @@ def demo(args, started: float) -> int:
 
 def study(args, started: float) -> int:
     """Train every run, then write the table, the summary, the figure and the JSON line."""
-    labels = {v.name: v.label for v in all_variants()}
-    jobs = [(level, seed) for level in LEVELS for seed in range(args.seeds)]
+    chosen, levels = args.variants.split(","), args.levels.split(",")
+    labels = {v.name: v.label for v in all_variants() if v.name in chosen}
+    jobs = [(level, seed) for level in levels for seed in range(args.seeds)]
     print(f"{len(jobs)} launches of {len(labels)} variants -> {args.out}", flush=True)
     failures: list = []
     with ThreadPoolExecutor(args.workers) as pool:
@@ -104,6 +113,7 @@ def study(args, started: float) -> int:
             argv = ["--variants", ",".join(labels), "--seed", seed, "--out", out, "--task"]
             argv += [args.task, "--steps", args.steps, "--tag", tag, "--log-every", 25]
             argv += ["--lag", LEVELS[level][0], "--epochs", LEVELS[level][1]]
+            argv += ["--micro-batches", args.micro_batches]
             futures[pool.submit(trainer, 1, argv, args, tag)] = tag
         # the estimate of the time left: the mean time per launch so far, for those not ended
         for count, future in enumerate(as_completed(futures), 1):
@@ -112,7 +122,7 @@ def study(args, started: float) -> int:
             ends = f"{count} of {len(jobs)} launches ended in {minutes:.1f} min"
             print(f"{futures[future]}: {ends}, about {left:.0f} min left", flush=True)
             failures += [future.result()] if future.result() else []
-    runs: dict = {level: {name: [] for name in labels} for level in LEVELS}
+    runs: dict = {level: {name: [] for name in labels} for level in levels}
     for level, seed in jobs:
         for name in labels:
             path = args.out / level / f"seed{seed}" / name / "metrics.jsonl"
@@ -124,22 +134,23 @@ def study(args, started: float) -> int:
         return 2
     summary = {
         level: {v: report.group_summary(runs[level][v], report.last_pair(v)) for v in labels}
-        for level in LEVELS
+        for level in levels
     }
     text = report.table(summary, labels)
     (args.out / "table.md").write_text(text + "\n")
     title = f"task {args.task}: tiny Llama in verl's FSDP2 engine, GRPO groups of 8, {args.seeds} "
     title += "seeds, mean ± std; near_on_policy: rollout policy current, 1 epoch; stale: 2 steps "
-    title += "behind, 2 epochs"
+    title += f"behind, 2 epochs; {args.micro_batches} loss calls per update"
     docs = f"experiment_report_{args.task}.png" if args.update_docs else None
     report.plot(runs, labels, args.out / "report.png", title, docs)
     print(text)
     keys = ["final_reward", "final_entropy", "moved_share", "collapsed_runs", *report.OUTCOMES]
     keys += ["outcome_sum", "lower_phase"]  # the last three for BAPO only
     result: dict = {"variants": {}, "neg_token_share": {}, "task": args.task}
+    result["micro_batches"] = args.micro_batches
     for level, per in summary.items():
         result["variants"][level] = {v: {k: s[k] for k in keys if k in s} for v, s in per.items()}
-        result["neg_token_share"][level] = per["ppo"]["neg_token_share"]
+        result["neg_token_share"][level] = per[next(iter(labels))]["neg_token_share"]
     result["runs_finished"] = len(jobs) * len(labels)
     result.update(steps=args.steps, seeds=args.seeds, wall_time_s=round(time.time() - started, 1))
     print(json.dumps(result), flush=True)

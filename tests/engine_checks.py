@@ -24,7 +24,13 @@ from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 
 from scripts.harness.cpu import cpu_stand_ins
-from scripts.harness.engine import build_engine, engine_batch, full_state_dict, trinity_layout
+from scripts.harness.engine import (
+    build_engine,
+    engine_batch,
+    full_state_dict,
+    trinity_layout,
+    worker_loss,
+)
 from scripts.harness.model import build_model, position_ids_for, save_model
 from scripts.harness.recorder import LossRecorder
 from scripts.harness.tasks import VOCAB_SIZE
@@ -173,15 +179,11 @@ def run_phase(engine, phase: str, options: dict, dp_rank: int, grads_on=False) -
 
 
 def run_update_phase(engine, phase: str, dp_rank: int, grads_on: bool) -> dict:
-    """Train ``STEPS`` updates with ``search_scope: update`` through Trinity's train_batch hook."""
-    from trinity.trainer.verl.losses import TrinityPolicyLoss
-    from trinity.trainer.verl.workers import run_updates_in_loss_context
-
+    """Train ``STEPS`` updates with ``search_scope: update``, the engine wired as the worker is."""
     name, size, extra = UPDATE_PHASES[phase]
     kwargs = loss_kwargs(name, search_scope="update", **extra)
-    loss = TrinityPolicyLoss(loss_config("bapo", kwargs))
+    loss = worker_loss(engine, loss_config("bapo", kwargs))
     recorder = LossRecorder(loss, engine.get_data_parallel_group(), keep_inputs=True)
-    run_updates_in_loss_context(engine)
     grads, states, outcomes = list[dict](), list[dict](), list[dict]()
     check_grads = grads_on and size > 0
     if check_grads:

@@ -269,7 +269,7 @@ def test_update_scope_reaches_the_loss_and_is_refused_under_the_legacy_actors(
         with pytest.raises(ValueError, match="search_scope: update"):
             load_and_validate(job_dirs / "config.yaml")
     else:
-        assert built_loss(load_and_validate(job_dirs / "config.yaml")).update_pass is True
+        assert built_loss(load_and_validate(job_dirs / "config.yaml")).per_update is True
 
 
 def test_misspelt_argument_fails_at_config_validation(job_dirs):

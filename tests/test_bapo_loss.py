@@ -416,17 +416,18 @@ def test_update_scope_calls_take_the_oracle_pair_on_the_whole_update(order, targ
     datas = [as_data(*b) for b in UPDATE_BATCHES]
     union = oracle.union_tokens(datas)
     want = oracle.search(union, kwargs)
-    fn.begin_pass()
-    assert all(call(fn, *b) == (0.0, {}) for b in UPDATE_BATCHES)
-    fn.end_pass()
-    per_call = [oracle.search(oracle.tokens_of(d), kwargs) for d in datas]
-    assert any(pair != want for pair in per_call), "each micro-batch alone agrees: no test"
-    for b, data in zip(UPDATE_BATCHES, datas):
-        loss, metrics = call(fn, *b)
-        assert chosen(metrics) == want
-        assert metrics["bapo_positive_contribution"] == pytest.approx(oracle.rho(union, *want[:2]))
-        assert float(loss) == pytest.approx(oracle.token_mean(data, kwargs, *want[:2]), rel=1e-5)
-    fn.end_update()
+    seen = []
+    with fn.optimizer_update(None, lambda: seen.extend(call(fn, *b) for b in UPDATE_BATCHES)):
+        assert seen == [(0.0, {})] * len(UPDATE_BATCHES)
+        per_call = [oracle.search(oracle.tokens_of(d), kwargs) for d in datas]
+        assert any(pair != want for pair in per_call), "each micro-batch alone agrees: no test"
+        for b, data in zip(UPDATE_BATCHES, datas):
+            loss, metrics = call(fn, *b)
+            assert chosen(metrics) == want
+            rho = oracle.rho(union, *want[:2])
+            assert metrics["bapo_positive_contribution"] == pytest.approx(rho)
+            want_loss = oracle.token_mean(data, kwargs, *want[:2])
+            assert float(loss) == pytest.approx(want_loss, rel=1e-5)
     with pytest.raises(RuntimeError, match="search_scope: update"):
         call(fn, *UPDATE_BATCHES[0])
 
@@ -434,3 +435,18 @@ def test_update_scope_calls_take_the_oracle_pair_on_the_whole_update(order, targ
 def test_update_scope_without_a_pass_raises_rather_than_deciding_per_call():
     with pytest.raises(RuntimeError, match="needs the trainer's pass"):
         call(BAPOPolicyLossFn(search_scope="update"), *UPDATE_BATCHES[0])
+
+
+def test_update_scope_a_pass_that_sees_no_micro_batch_raises():
+    """An engine that calls the loss on no micro-batch (a pipeline stage but the last) raises."""
+    with pytest.raises(RuntimeError, match="saw no micro-batch"):
+        with BAPOPolicyLossFn(search_scope="update").optimizer_update(None, lambda: None):
+            pytest.fail("the update ran without a pair")
+
+
+def test_micro_batch_scope_runs_no_pass():
+    """Deciding per call, the loss leaves the pass it is handed uncalled."""
+    entered = []
+    with BAPOPolicyLossFn().optimizer_update(None, lambda: pytest.fail("a pass ran")):
+        entered.append(True)
+    assert entered == [True]

@@ -66,7 +66,7 @@ PULL_REQUESTS = {
     "bapo-update-scope": (
         [
             "update-scope-0001-optimizer-update-pass.patch",
-            "update-scope-0002-bapo-refuses-update-scope-on-legacy.patch",
+            "update-scope-0002-validator-refuses-update-scope-where-the-pass-differs.patch",
         ],
         {UPDATE_TEST},
         "bapo",
@@ -448,13 +448,33 @@ def test_examples_reach_the_loss_with_the_algorithm_mode(base, written, tmp_path
     assert all(modes == [key.split("/")[1]] * 2 for key, modes in found.items()), found
 
 
-def test_update_scope_tests_fail_when_the_pass_is_skipped(written, tmp_path_factory) -> None:
-    """With the hook's pass taken out of ``optimizer_update``, the pull request's test fails."""
+# What the fourth pull request's claim rests on, undone in its patched tree: (file, text, instead)
+WORKERS = "trinity/trainer/verl/workers.py"
+UPDATE_BREAKAGES = {
+    "the_worker_does_not_wire_the_hook": (
+        WORKERS,
+        "engine.train_batch = partial(self.train_batch_in_update, engine)",
+        "pass",
+    ),
+    "the_hook_hands_over_no_pass": (
+        WORKERS,
+        "policy_loss_fn.optimizer_update(data, run_pass)",
+        "policy_loss_fn.optimizer_update(data, lambda: None)",
+    ),
+    "bapo_does_not_call_the_pass": (MODULE, "            run_pass()\n", "            pass\n"),
+}
+
+
+@pytest.mark.parametrize("breakage", sorted(UPDATE_BREAKAGES))
+def test_update_scope_tests_fail_when_the_hook_is_undone(
+    breakage, written, tmp_path_factory
+) -> None:
+    """Undo the worker's wiring, the pass it hands over or BAPO's call of it: the test fails."""
     tree = patched_tree("bapo-update-scope", written, tmp_path_factory)
-    losses = tree / "trinity" / "trainer" / "verl" / "losses.py"
-    text, the_pass = losses.read_text(), "engine.infer_batch(data, loss_function=self)"
-    assert text.count(the_pass) == 1
-    losses.write_text(text.replace(the_pass, "pass"))
+    rel, old, new = UPDATE_BREAKAGES[breakage]
+    text = (tree / rel).read_text()
+    assert text.count(old) == 1
+    (tree / rel).write_text(text.replace(old, new))
     test = "test_every_call_of_the_update_takes_the_pair_of_its_union"
     done = pytest_in(tree, [UPDATE_TEST], (), "-k", test)
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.M)
@@ -478,7 +498,7 @@ def test_bapo_holds_the_module_without_search_scope_and_the_fourth_adds_it(
 ) -> None:
     """The BAPO module ships no argument whose hook it lacks; on top of it the fourth adds it."""
     bapo = (patched_tree("bapo", written, tmp_path_factory) / MODULE).read_text()
-    assert "search_scope" not in bapo and "update_pass" not in bapo
+    assert "search_scope" not in bapo and "optimizer_update" not in bapo
     assert "search_scope" not in literal_default_args(bapo)
     ours = (REPO / MODULE).read_text()
     assert literal_default_args(ours)["search_scope"] == "micro_batch"
@@ -509,3 +529,11 @@ def test_bapo_keeps_to_the_size_of_sapos_pull_request(written, tmp_path_factory)
         assert guard not in module, guard
     assert len(re.findall(r"^\+\+\+ b/examples/\S+\.yaml$", patch, re.M)) == 1
     assert len((PATCHES / "pr" / "bapo.md").read_text().splitlines()) <= 40
+
+
+def test_the_fourth_description_fits_50_lines_with_m2po_in_3():
+    """The hook's second user, M2PO (#616), is told in one paragraph of at most 3 lines."""
+    text = (PATCHES / "pr" / "bapo-update-scope.md").read_text()
+    assert len(text.splitlines()) <= 50
+    (m2po,) = [part for part in text.split("\n\n") if "M2PO" in part]
+    assert len(m2po.splitlines()) <= 3 and "run_pass" in m2po and "m2po_mask" in m2po

@@ -20,6 +20,7 @@ DEMO_STEPS = 6
 CALLS_PER_STEP = 4  # the demo's 2 epochs x 1 mini-batch x 2 micro-batches
 LOWER, UPPER = len(range(60, 91, 2)), len(range(120, 301, 5))  # the paper grid's 16 and 37
 FIXED = ("ppo", "ppo_clip_higher", "bapo_fixed_start")  # variants whose pair never moves
+PAIR = ("bapo_paper", "bapo_update")  # the paper defaults decided per call and per update
 # the bench's CUDA step code at a size the CPU runs in seconds
 TINY_QWEN2 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=512)
 TINY_QWEN2.update(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
@@ -224,7 +225,7 @@ def test_small_study_trains_every_run_and_counts_how_bapo_calls_ended(tmp_path):
     done = run_module("scripts.experiment", *argv)
     result = last_json(done)
     assert before == docs_files(), "the study changed docs/ without --update-docs"
-    assert result["runs_finished"] == 5 * 2 and result["steps"] == 3
+    assert result["runs_finished"] == 6 * 2 and result["steps"] == 3
     ends = [line for line in done.stdout.splitlines() if " launches ended in " in line]
     counts = [line.split(": ")[1].split(" in ")[0] for line in ends]
     assert counts == ["1 of 2 launches ended", "2 of 2 launches ended"]
@@ -244,9 +245,14 @@ def test_small_study_trains_every_run_and_counts_how_bapo_calls_ended(tmp_path):
             )
             assert got["outcome_sum"]["mean"] == pytest.approx(1.0)
             assert got["lower_phase"] == counted["lower_phase"]
-            assert (got["lower_phase"] is None) is (name != "bapo_paper")  # upper_first, room
+            upper_first = name in ("bapo_paper", "bapo_update")  # with room on both ranges
+            assert (got["lower_phase"] is None) is not upper_first
     table = (tmp_path / "table.md").read_text()
-    assert table.count("|\n") == (2 + 2 * 5) + (2 + 2 * 3)  # two tables: all runs, BAPO's calls
+    assert table.count("|\n") == (2 + 2 * 6) + (2 + 2 * 4)  # two tables: all runs, BAPO's calls
+    for level in ("near_on_policy", "stale"):  # one call per update: per update is per call
+        runs = [report.load_rows(tmp_path / level / "seed0" / n / "metrics.jsonl") for n in PAIR]
+        assert [r["pairs"] for r in runs[0]] == [r["pairs"] for r in runs[1]], level
+        assert [r["reward"] for r in runs[0]] == [r["reward"] for r in runs[1]], level
 
 
 def test_sensitivity_one_micro_batch_per_rank_is_the_whole_mini_batch_decision(tmp_path):

@@ -5,7 +5,9 @@ The engine Trinity's actor trains with runs unchanged on CPU given gloo, eager a
 ``train_batch`` splits the batch into micro-batches and calls the loss with its dp group.
 """
 
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Dict, cast
 
 import torch
@@ -37,6 +39,21 @@ def build_engine(model_dir: Path, strategy="fsdp2", lr=3e-3, sp_size=1, micro_ba
     engine = FSDPEngineWithLMHead(model_config, engine_config, optimizer_config, CheckpointConfig())
     engine.initialize()
     return engine
+
+
+def worker_loss(engine, algo_config):
+    """The loss Trinity's actor worker sets on ``engine`` (``set_trinity_config``, without Ray).
+
+    For a policy loss with ``optimizer_update`` the worker also wraps the engine's
+    ``train_batch`` (one optimizer update) in it, so the update's pass runs as in production.
+    """
+    from trinity.trainer.verl.workers import TrinityActorRolloutRefWorker
+
+    worker = object.__new__(TrinityActorRolloutRefWorker)  # the method alone: no Ray, no model
+    worker.actor = SimpleNamespace(engine=engine)
+    worker.actor.set_loss_fn = partial(setattr, worker.actor, "loss_fn")
+    worker.set_trinity_config(algo_config, "vllm", "harness")
+    return worker.actor.loss_fn
 
 
 def engine_batch(data: TensorDict, micro_batch_size: int, use_remove_padding=False) -> TensorDict:

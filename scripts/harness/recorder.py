@@ -31,7 +31,7 @@ class LossRecorder:
         """Run the real loss, then note its group, metrics and (if kept) inputs.
 
         A call that returns no metrics, one of the pass over an update's data that a loss with
-        ``update_pass`` asks for, is noted in ``pass_calls``.
+        ``optimizer_update`` runs, is noted in ``pass_calls``.
         """
         loss, metrics = self._inner(logprob=logprob, dp_group=dp_group, **kwargs)
         ranks = None if dp_group is None else dist.get_process_group_ranks(dp_group)

@@ -15,6 +15,7 @@ import tempfile
 import time
 import warnings
 from collections import deque
+from functools import partial
 from pathlib import Path
 from typing import Any, Dict, List, NamedTuple
 
@@ -22,7 +23,13 @@ import torch
 import torch.distributed as dist
 
 from scripts.harness.cases import surrogate_sums
-from scripts.harness.engine import build_engine, engine_batch, full_state_dict, trinity_layout
+from scripts.harness.engine import (
+    build_engine,
+    engine_batch,
+    full_state_dict,
+    trinity_layout,
+    worker_loss,
+)
 from scripts.harness.launch import gather_rows
 from scripts.harness.model import build_model, sample_responses, save_model
 from scripts.harness.recorder import LossRecorder
@@ -140,15 +147,13 @@ def fresh_engine(behaviour, lr: float, micro: int, seed: int):
 
 def train(run: Variant, seed: int, setting: Setting, out: Path, args) -> None:
     """Train one run on every rank; rank 0 writes ``metrics.jsonl`` (``--dump``: ``fixed.pt``)."""
-    from trinity.trainer.verl.losses import TrinityPolicyLoss
-
     started, rank = time.time(), dist.get_rank()
     behaviour = build_model(seed).eval()  # the rollout copy; the engine holds the policy
     current = copy.deepcopy(behaviour)  # the engine's latest weights, for evaluation
     sequences = setting.prompts * setting.group_size // setting.mini_batches
     micro = sequences // setting.micro_batches
     engine = fresh_engine(behaviour, setting.lr, micro, seed)
-    loss_fn = TrinityPolicyLoss(loss_config(run.loss, run.args))
+    loss_fn = worker_loss(engine, loss_config(run.loss, run.args))
     recorder = LossRecorder(loss_fn, engine.get_data_parallel_group(), keep_inputs=True)
     upper_first = run.loss == "bapo" and recorder.upper_first and len(recorder.lower) > 1
     lower = recorder.lower if upper_first else []
@@ -166,6 +171,7 @@ def train(run: Variant, seed: int, setting: Setting, out: Path, args) -> None:
         behaviour.load_state_dict(snapshots[0])  # the oldest snapshot kept
         fields, stats = rollout(behaviour, gens, setting)
         recorder.calls.clear()
+        recorder.pass_calls.clear()
         norms = []
         # one train-mode context per step, as Trinity's actor worker; nothing is offloaded
         batches = split(fields, sequences, micro)
@@ -201,7 +207,8 @@ def replay(args) -> None:
 
     The policy does not move (``infer_batch``), so the splits differ only in what each call sees.
     Each split runs twice: deciding per call, and per update (``search_scope: update``, the
-    mini-batch one update, through ``TrinityPolicyLoss.optimizer_update`` as the worker runs it).
+    mini-batch one update: the loss's ``optimizer_update`` with the engine's pass, as the worker
+    hands it over, around the calls).
     Rank 0 writes each call's pair and the reference: the pair on all the tokens in one process.
     """
     from trinity.trainer.verl.losses import TrinityPolicyLoss
@@ -218,8 +225,10 @@ def replay(args) -> None:
         loss_fn = TrinityPolicyLoss(loss_config(run.loss, {**run.args, "search_scope": scope}))
         recorder = LossRecorder(loss_fn, keep_inputs=True)
         batch = split(fields, share, micro)[0]
-        with engine.eval_mode(disable_auto_offload=True), loss_fn.optimizer_update(engine, batch):
-            engine.infer_batch(batch, loss_function=loss_fn)
+        run_pass = partial(engine.infer_batch, batch, loss_function=loss_fn)
+        with engine.eval_mode(disable_auto_offload=True):
+            with loss_fn.policy_loss_fn.optimizer_update(batch, run_pass):
+                engine.infer_batch(batch, loss_function=loss_fn)
         pairs = call_figures(recorder.calls, run, [])["pairs"]
         keys, inputs = ("logprob", "old_logprob", "advantages"), [
             c["inputs"] for c in recorder.calls
@@ -248,16 +257,12 @@ def bench_update(args) -> None:
     pass alone (``engine.infer_batch`` through the loss), in interleaved rounds, the first a
     warm-up; rank 0 prints the medians as one JSON line.
     """
-    from trinity.trainer.verl.losses import TrinityPolicyLoss
-    from trinity.trainer.verl.workers import run_updates_in_loss_context
-
     setting, rank = Setting(), dist.get_rank()
     behaviour = build_model(args.seed, hidden=args.hidden).eval()
     gens = {k: torch.Generator().manual_seed(args.seed * 10 + rank) for k in ("prompts", "sample")}
     fields, _ = rollout(behaviour, gens, setting)
     sequences, micro = setting.prompts * setting.group_size, int(args.micro)
     engine = fresh_engine(behaviour, 0.0, micro, args.seed)
-    run_updates_in_loss_context(engine)
     batch = split(fields, sequences, micro)[0]
     seconds: Dict[str, List[float]] = {"micro_batch": [], "update": [], "pass": []}
     with engine.train_mode(disable_auto_offload=True):
@@ -265,7 +270,7 @@ def bench_update(args) -> None:
             for scope, times in seconds.items():
                 kept = "micro_batch" if scope == "pass" else scope
                 loss_args = {**variant("bapo_paper").args, "search_scope": kept}
-                loss_fn = TrinityPolicyLoss(loss_config("bapo", loss_args))
+                loss_fn = worker_loss(engine, loss_config("bapo", loss_args))
                 started = time.perf_counter()
                 if scope == "pass":
                     engine.infer_batch(batch, loss_function=loss_fn)

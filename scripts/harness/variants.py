@@ -23,7 +23,7 @@ def loss_config(name: str, args: dict):
 
 
 def all_variants() -> List[Variant]:
-    """The five variants, in the order the tables list them."""
+    """The six variants, in the order the tables list them (the last: paper defaults per update)."""
     from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 
     authors = dict(search_order="lower_first", positive_contribution_target=0.5)
@@ -33,6 +33,7 @@ def all_variants() -> List[Variant]:
         ("bapo_fixed_start", "ablation: BAPO start pair fixed (0.6, 1.2)", fixed),
         ("bapo_paper", "BAPO, paper defaults", {}),
         ("bapo_authors", "BAPO, authors' settings", authors),
+        ("bapo_update", "BAPO per update", {"search_scope": "update"}),
     ]
     ppo = dict(clip_range_low=0.2, clip_range_high=0.2)
     higher = dict(ppo, clip_range_high=0.28)

@@ -3,9 +3,11 @@
 
 Two gloo ranks started by the test run verl's `BaseEngine.train_batch` and `infer_batch` as they
 are, on an engine whose forward hands each micro-batch's ready log-probs to TrinityPolicyLoss, as
-verl's FSDP engine does after its model. With the worker's hook, every training call of an update
-takes the pair one process chooses on the union of both ranks' micro-batches, after exactly one
-all-reduce; without the hook BAPO refuses to guess.
+verl's FSDP engine does after its model. The actor worker's `set_trinity_config` gets that engine
+and builds the loss, and each update is the call verl's TrainingWorker makes. Then every training
+call of an update takes the pair one process chooses on the union of both ranks' micro-batches,
+after exactly one all-reduce; without the worker BAPO refuses to guess. The trainer validator
+refuses `update` where the pass would differ.
 """
 
 import json
@@ -22,14 +24,14 @@ import torch.multiprocessing as mp
 
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 from trinity.common.config import AlgorithmConfig, Config
-from trinity.common.config_validator import TrainerConfigValidator
+from trinity.common.config_validator import BufferConfigValidator, validators
 
 try:
     from tensordict import TensorDict
     from verl.workers.engine.base import BaseEngine
 
     from trinity.trainer.verl.losses import TrinityPolicyLoss
-    from trinity.trainer.verl.workers import run_updates_in_loss_context
+    from trinity.trainer.verl.workers import TrinityActorRolloutRefWorker
 
     ENGINE = True
 except ImportError:  # verl < 0.8, Trinity's legacy stack, has no engine
@@ -37,7 +39,7 @@ except ImportError:  # verl < 0.8, Trinity's legacy stack, has no engine
     BaseEngine = object  # type: ignore[misc, assignment]
 
 WORLD = 2
-TIMEOUT = 180  # seconds for the whole two-rank run, start-up included
+TIMEOUT = 300  # seconds for the whole two-rank run, start-up included (a loaded machine)
 PROMPT_LEN = 2
 ARGS = {"search_scope": "update"}  # the paper's settings otherwise
 SHAPES = {0: ((4, 40), 0.5, 2), 1: ((2, 3), 0.8, 1)}  # rank: shape, share of A > 0, rows per call
@@ -96,6 +98,30 @@ class LogProbEngine(BaseEngine):
         return True
 
 
+class Actor:
+    """verl's TrainingWorker as Trinity's worker holds it: an engine, and the loss it is set."""
+
+    def __init__(self, engine):
+        """No loss until the worker sets one."""
+        self.engine, self.loss_fn = engine, None
+
+    def set_loss_fn(self, loss_fn):
+        """As TrainingWorker.set_loss_fn."""
+        self.loss_fn = loss_fn
+
+    def train_batch(self, data):
+        """One optimizer update, called as TrainingWorker.train_batch calls the engine."""
+        return self.engine.train_batch(data, loss_function=self.loss_fn)
+
+
+def configured_actor(engine, args, policy_loss_fn="bapo"):
+    """The actor after the worker's ``set_trinity_config`` (no Ray, no model: the method alone)."""
+    worker = object.__new__(TrinityActorRolloutRefWorker)
+    worker.actor = Actor(engine)
+    worker.set_trinity_config(algorithm_config(args, policy_loss_fn), "vllm", "test")
+    return worker.actor
+
+
 def trinity_layout(batch):
     """The model output and padded TensorDict that TrinityPolicyLoss reads, as in training."""
     rows, width = batch["logprob"].shape
@@ -112,10 +138,10 @@ def trinity_layout(batch):
     return {"log_probs": log_probs.reshape(-1)}, TensorDict(data, batch_size=[rows])
 
 
-def trinity_loss(args):
-    """The engine loss around BAPO with ``args``, as the worker builds it."""
-    config = AlgorithmConfig(
-        policy_loss_fn="bapo",
+def algorithm_config(args, policy_loss_fn="bapo"):
+    """The algorithm config of a policy loss with ``args``, no KL or entropy term."""
+    return AlgorithmConfig(
+        policy_loss_fn=policy_loss_fn,
         policy_loss_fn_args=args,
         kl_loss_fn="none",
         kl_loss_fn_args={},
@@ -123,7 +149,6 @@ def trinity_loss(args):
         entropy_loss_fn_args={"entropy_coef": 0.0},
         loss_agg_mode="token-mean",
     )
-    return TrinityPolicyLoss(config)
 
 
 def chosen(metrics):
@@ -138,15 +163,18 @@ def single_process_pair(args, batches):
     return chosen(BAPOPolicyLossFn(**args)(**union)[1])
 
 
-def update(rank, args, batch, hooked=True):
-    """One optimizer update on this rank: each call's pair and the all-reduces made."""
+def update(rank, args, batch, worker=True):
+    """One optimizer update on this rank: each call's pair and the all-reduces made.
+
+    ``worker``: the engine and loss as the worker sets them; else the loss alone, unwrapped.
+    """
     engine = LogProbEngine(SHAPES[rank][2], dist.group.WORLD)
-    if hooked:
-        run_updates_in_loss_context(engine)
+    actor = configured_actor(engine, args) if worker else Actor(engine)
+    actor.loss_fn = actor.loss_fn or TrinityPolicyLoss(algorithm_config(args))
     batch = {key: value.clone().requires_grad_(key == "logprob") for key, value in batch.items()}
     with mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as all_reduce:
         try:
-            calls = engine.train_batch(batch, loss_function=trinity_loss(args))["metrics"]["calls"]
+            calls = actor.train_batch(batch)["metrics"]["calls"]
         except Exception as error:  # what this rank raises in this update
             return {"raised": f"{type(error).__name__}: {error}"}
     return {"pairs": [chosen(call) for call in calls], "all_reduces": all_reduce.call_count}
@@ -167,14 +195,33 @@ def run_rank(rank, store):
         "update": update(rank, ARGS, batch),
         "authors": update(rank, {**ARGS, "search_order": "lower_first"}, batch),
         "alone": update(rank, {**ARGS, "sync_across_dp": False}, batch),
-        "unhooked": update(rank, ARGS, batch, hooked=False),
+        "unhooked": update(rank, ARGS, batch, worker=False),
     }
     (Path(store).parent / f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
 
 
+def offline_config(args, strategy="fsdp2", **verl):
+    """A config that the validators pass offline: BAPO with ``args``, ``verl`` in trainer_config."""
+    config = Config()
+    config.model.model_path, config.model.max_model_len = "tiny-model", 64
+    config.cluster.node_num, config.cluster.gpu_per_node = 1, 2  # no Ray cluster is asked
+    config.algorithm.algorithm_type = "bapo"
+    config.algorithm.policy_loss_fn_args = dict(args)
+    config.trainer.trainer_strategy = strategy
+    config.trainer.trainer_config = {"actor_rollout_ref": verl} if verl else {}
+    return config
+
+
+def validate(config):
+    """Run Trinity's validators in order; the buffer's needs a dataset and is left out."""
+    for validator in validators:
+        if not isinstance(validator, BufferConfigValidator):
+            validator.validate(config)
+
+
 class BAPOUpdateScopeConfigTest(unittest.TestCase):
-    """The argument's values, and the trainers where the pass cannot run."""
+    """The argument's values, and the trainers and models where the pass would differ."""
 
     def test_search_scope_takes_micro_batch_or_update(self):
         """Anything else is refused at construction."""
@@ -182,21 +229,39 @@ class BAPOUpdateScopeConfigTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "`search_scope` must be micro_batch or update"):
             BAPOPolicyLossFn(search_scope="step")
 
-    def test_the_trainer_check_refuses_update_under_the_legacy_actors(self):
-        """The legacy actors (verl < 0.8) run no pass over an update's data."""
-        for legacy in (False, True):
-            config = Config()
-            config.algorithm.policy_loss_fn = "bapo"
-            config.algorithm.policy_loss_fn_args = {"search_scope": "update"}
-            with mock.patch("trinity.trainer.trainer.is_verl_legacy", return_value=legacy):
-                if legacy:
-                    with self.assertRaisesRegex(ValueError, "search_scope: update"):
-                        TrainerConfigValidator()._check_bapo(config)
-                else:
-                    TrainerConfigValidator()._check_bapo(config)
+    def test_the_validator_refuses_update_where_the_pass_would_differ(self):
+        """Each refusal names its setting; the default config and zero settings pass."""
+        validate(offline_config(ARGS))
+        validate(offline_config(ARGS, model={"override_config": {"attention_dropout": 0.0}}))
+        refused = [  # (the config's setting, what the message names)
+            (offline_config(ARGS, strategy="megatron"), "trainer.trainer_strategy: megatron"),
+            (
+                offline_config(ARGS, model={"override_config": {"attention_dropout": 0.1}}),
+                "model.override_config.attention_dropout: 0.1",
+            ),
+            (offline_config(ARGS, model={"override_config": {"hidden_dropout": "0.1"}}), "0.1"),
+            (offline_config(ARGS, model={"override_config": {"layerdrop": 0.2}}), "layerdrop"),
+            (offline_config(ARGS, actor={"router_replay": {"mode": "R2"}}), "router_replay.mode"),
+        ]
+        for config, named in refused:
+            with self.assertRaisesRegex(ValueError, "search_scope: update") as raised:
+                validate(config)
+            self.assertIn(named, str(raised.exception))
+        legacy = mock.patch("trinity.trainer.trainer.is_verl_legacy", return_value=True)
+        with legacy, self.assertRaisesRegex(ValueError, "search_scope: update.*legacy actors"):
+            validate(offline_config(ARGS))
+
+    @unittest.skipUnless(ENGINE, "needs verl >= 0.8, whose engine the worker wraps")
+    def test_the_worker_wraps_the_updates_of_bapo_only(self):
+        """A loss without ``optimizer_update`` keeps verl's train_batch; BAPO's is wrapped."""
+        engine = LogProbEngine(1, None)
+        configured_actor(engine, {"clip_range": 0.2}, policy_loss_fn="ppo")
+        self.assertNotIn("train_batch", vars(engine))
+        configured_actor(engine, {"search_scope": "micro_batch"})
+        self.assertIn("train_batch", vars(engine))
 
 
-@unittest.skipUnless(ENGINE, "needs verl >= 0.8, whose engine the hook wraps")
+@unittest.skipUnless(ENGINE, "needs verl >= 0.8, whose engine the worker wraps")
 class BAPOUpdateScopeTest(unittest.TestCase):
     """Two gloo ranks with uneven micro-batches, against one process on the update's union."""
 
@@ -249,7 +314,7 @@ class BAPOUpdateScopeTest(unittest.TestCase):
         ]
         self.assertNotEqual(per_call, [union] * 2)
 
-    def test_without_the_hook_bapo_raises_on_every_rank(self):
+    def test_without_the_worker_bapo_raises_on_every_rank(self):
         """No pass ran: BAPO refuses to decide per call in its place."""
         for record in self.ranks:
             self.assertRegex(record["unhooked"]["raised"], "^RuntimeError: BAPO: .*pass")

@@ -3,12 +3,13 @@
 On stale data negative-advantage tokens dominate the update: BAPO raises c_low and c_high inside
 movable ranges until positive tokens carry a share rho0 of the loss (Eq. 8), over the dp_group.
 With ``search_scope: update`` the pair is chosen once per optimizer update instead, from a pass
-over the update's micro-batches that the trainer runs first (``update_pass``).
+over the update's micro-batches that the trainer runs first (``optimizer_update``).
 """
 
 import math
+from contextlib import contextmanager
 from fractions import Fraction
-from typing import Dict, List, Optional, Tuple, cast
+from typing import Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -96,7 +97,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         self.ppo = PPOPolicyLossFn(backend, 0, 0, 0, clip_ratio_c, loss_agg_mode)  # pair per call
         if search_scope not in ("micro_batch", "update"):
             raise ValueError("BAPO: `search_scope` must be micro_batch or update")
-        self.update_pass = search_scope == "update"  # asks the trainer for a pass per update
+        self.per_update = search_scope == "update"
         self._pass: Optional[dict] = None  # while the pass runs: its summed Eq. 8 and group
         self._fixed: Optional[Tuple[int, int, float]] = None  # the update's pair and rho
 
@@ -113,7 +114,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         group = dp_group if self.sync_across_dp and dist.is_initialized() else None
         if self._pass is not None:
             return self._observe(logprob, old_logprob, action_mask, advantages, group)
-        if self.update_pass and self._fixed is None:
+        if self.per_update and self._fixed is None:
             raise RuntimeError(
                 "BAPO: `search_scope: update` needs the trainer's pass over each optimizer "
                 "update's data (Trinity's verl engine worker runs it); none ran for this call"
@@ -135,9 +136,25 @@ class BAPOPolicyLossFn(PolicyLossFn):
             **metrics,
         }
 
-    def begin_pass(self) -> None:
-        """Until ``end_pass``, calls observe an update's micro-batches: Eq. 8 summed, no loss."""
+    @contextmanager
+    def optimizer_update(self, data, run_pass: Callable):
+        """Around one optimizer update on ``data`` (Trinity's verl worker enters it).
+
+        Under ``search_scope: update``, ``run_pass()`` (the engine's no-grad forward over the
+        update's micro-batches through this loss) sums Eq. 8 over them, the pair is fixed by one
+        all-reduce and holds for the update's training calls; it is released after, whatever
+        happens. Under ``micro_batch`` nothing runs.
+        """
+        if not self.per_update:
+            yield
+            return
         self._pass, self._fixed = {"sums": None, "group": None}, None
+        try:
+            run_pass()
+            self._end_pass()
+            yield
+        finally:
+            self._pass = self._fixed = None
 
     def _observe(self, logprob, old_logprob, action_mask, advantages, group):
         """Add one micro-batch's sums to the pass's; its loss is a zero the pass does not use."""
@@ -146,7 +163,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         state.update(group=group, sums=sums if state["sums"] is None else state["sums"] + sums)
         return logprob.new_zeros(()), {}
 
-    def end_pass(self) -> None:
+    def _end_pass(self) -> None:
         """Fix the update's pair from the pass: one all-reduce over the group its calls got."""
         state, self._pass = cast(dict, self._pass), None
         if state["sums"] is None:
@@ -154,10 +171,6 @@ class BAPOPolicyLossFn(PolicyLossFn):
         if state["group"] is not None:
             dist.all_reduce(state["sums"], op=dist.ReduceOp.SUM, group=state["group"])
         self._fixed = self._search(state["sums"].tolist())
-
-    def end_update(self) -> None:
-        """Release the update's pair (and a pass left unfinished)."""
-        self._pass = self._fixed = None
 
     def _prepare(self, logprob, old_logprob, action_mask, advantages):
         """Log-ratio, advantages (masked tokens zeroed), bounds in the ratio's dtype, Eq. 8 sums."""
