@@ -62,7 +62,7 @@ def until(condition, timeout_s: float, what: str) -> float:
 
 
 class Launch:
-    """``python -m scripts.trinity_run`` on ``out`` in a session of its own, read as it prints."""
+    """``python -m scripts.trinity_run`` on ``out``, leading a process group, read as it prints."""
 
     def __init__(self, out: Path, *args):
         """Start it; its stdout lines gather in ``lines``, its stderr in a file."""
