@@ -218,6 +218,47 @@ def test_a_16_bit_ratio_meets_the_bounds_as_torch_clamp_rounds_them():
     assert m["bapo_positive_contribution"] == pytest.approx(rho_rounded, rel=1e-6)
 
 
+def _ratios_on_and_beside(bounds: list, dtype: torch.dtype) -> tuple:
+    """Log-probs (and zero old ones) of ratios on and beside each bound, in ``dtype``.
+
+    The log of each bound and its neighbours in ``dtype``: ``exp`` takes some onto the bound as
+    ``dtype`` rounds it, and others one representable step below or above it.
+    """
+    bits = {torch.float32: torch.int32}.get(dtype, torch.int16)  # positive floats order as ints
+    logs = torch.tensor(bounds, dtype=torch.float64).log().to(dtype)
+    logprob = torch.cat([(logs.view(bits) + k).view(dtype) for k in range(-4, 5)])
+    return logprob, torch.zeros_like(logprob)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("grid", ["paper", "capped"])
+def test_eq8_at_every_bound_is_the_sum_over_the_tokens_on_and_beside_the_bounds(dtype, grid):
+    """P and N at every candidate, as ``_prepare`` buckets them, are Eq. 8 over the tokens.
+
+    Each bound is rounded as ``torch.clamp`` rounds it. Ratios on a bound, and one step of their
+    dtype beside it, are where a count of the bounds below r would be off by one. ``capped``:
+    lower_first grids that end at a maximum off their step.
+    """
+    kwargs = {} if grid == "paper" else dict(search_order="lower_first", ratio_lower_step=0.07)
+    fn = BAPOPolicyLossFn(**kwargs, ratio_upper_step=0.05 if grid == "paper" else 0.25)
+    assert grid == "paper" or (fn.lower[-1] - fn.lower[-2] < 0.07 and fn.upper[-1] == 3.0)
+    bound = oracle.rounded_to(DTYPES[dtype])
+    logprob, old = _ratios_on_and_beside(fn.lower + fn.upper, DTYPES[dtype])
+    gen = torch.Generator().manual_seed(0)
+    adv = torch.randn(logprob.shape, generator=gen).to(DTYPES[dtype])
+    adv[::7] = 0.0
+    mask = torch.ones_like(adv)
+    tokens = oracle.tokens_in(
+        DTYPES[dtype], dict(logprob=logprob, old_logprob=old, advantages=adv, mask=mask)
+    )
+    on_a_bound = {bound(c) for c in fn.lower + fn.upper} & {r for r, a in tokens if a != 0}
+    assert len(on_a_bound) >= len(fn.lower + fn.upper) / 2  # the ties are there
+    positive = [sum(a * min(r, bound(c)) for r, a in tokens if a > 0) for c in fn.upper]
+    negative = [sum(-a * max(r, bound(c)) for r, a in tokens if a < 0) for c in fn.lower]
+    sums = fn._prepare(logprob, old, mask, adv)[-1].tolist()
+    assert sums == pytest.approx(positive + negative, rel=1e-12)
+
+
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize(
     "advantages, target, rho_below",

@@ -52,9 +52,8 @@ def run_rank(rank, store):
     data = rank_batch(rank)
     log_prob = torch.cat([data.pop("log_prob"), torch.zeros(len(data["advantages"]), 1)], 1)
     rows, width = data["advantages"].shape  # the prompt is one token: t scores token t + 1
-    data.update(
-        prompts=torch.ones(rows, 1, dtype=torch.long), responses=data["response_mask"].long()
-    )
+    data["prompts"] = torch.ones(rows, 1, dtype=torch.long)
+    data["responses"] = data["response_mask"].long()
     data["attention_mask"] = torch.ones(rows, 1 + width, dtype=torch.long)
     config = AlgorithmConfig(policy_loss_fn="bapo", kl_loss_fn="none", entropy_loss_fn="none")
     config.policy_loss_fn_args, config.kl_loss_fn_args = {}, {}
@@ -78,9 +77,7 @@ class BAPODataParallelTest(unittest.TestCase):
             deadline = time.monotonic() + TIMEOUT  # past it, the ranks' own timeout ends them
             while not context.join(timeout=5):
                 self.assertLess(time.monotonic(), deadline, f"the ranks ran past {TIMEOUT} s")
-            pairs = [
-                json.loads(Path(f"{tmp}/rank{rank}.json").read_text()) for rank in range(WORLD)
-            ]
+            pairs = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(WORLD)]
         batches = [rank_batch(rank) for rank in range(WORLD)]
         self.assertEqual(pairs, [alone(batches)] * WORLD)
         self.assertNotEqual([alone([batch]) for batch in batches], pairs)

@@ -45,10 +45,11 @@ def candidates(name: str, start, maximum, step, low: float, high: float, cap: bo
     return grid + [maximum] if cap and grid[-1] < maximum else grid
 
 
-def totals(bins: torch.Tensor, bounds: torch.Tensor, upper: bool) -> torch.Tensor:
-    """Eq. 8 at every bound c from its side's buckets: sum |A| min(r, c), or max(r, c) if lower."""
-    below, above = bins.cumsum(0)[:-1], bins.flip(0).cumsum(0).flip(0)[1:]  # r <= c, r > c
-    return below[:, 0] + bounds * above[:, 1] if upper else above[:, 0] + bounds * below[:, 1]
+def below(ratio: torch.Tensor, bounds: List[float], capped: bool) -> torch.Tensor:
+    """How many ``bounds`` (a + k d, then a capped maximum) lie below each float64 ``ratio``."""
+    step = bounds[1] - bounds[0] if len(bounds) > 1 else 1.0
+    count = ratio.sub(bounds[0]).mul_(1 / step).ceil_().clamp_(0, len(bounds) - capped)
+    return count.add_(ratio > bounds[-1]) if capped else count
 
 
 class BAPOPolicyLossFn(PolicyLossFn):
@@ -175,24 +176,25 @@ class BAPOPolicyLossFn(PolicyLossFn):
     def _prepare(self, logprob, old_logprob, action_mask, advantages):
         """Log-ratio, advantages (masked tokens zeroed), bounds in the ratio's dtype, Eq. 8 sums."""
         # [P..., N...] in float64: P = sum_{A>0} A min(r, c_high), N = sum_{A<0} |A| max(r, c_low)
-        masked = action_mask == 0
-        advantages = advantages.masked_fill(masked, 0.0)
-        log_ratio = (logprob - old_logprob).masked_fill(masked, 0.0)
+        advantages = torch.where(action_mask.bool(), advantages, 0.0)
+        log_ratio = torch.where(action_mask.bool(), logprob - old_logprob, 0.0)
         ratio = torch.exp(torch.clamp(log_ratio.detach(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         # The bounds as torch.clamp compares them with the ratio: 1.2 is 1.203125 in bfloat16.
-        exact = torch.promote_types(ratio.dtype, torch.float32)  # holds the ratio and the bounds
-        low, high = (torch.tensor(c, dtype=ratio.dtype).to(exact) for c in (self.lower, self.upper))
-        bounds, n = torch.cat([low, high]).to(ratio.device), len(self.lower)  # lower <= 1 <= upper
-        a = advantages.detach().reshape(-1).double()
-        index = torch.searchsorted(bounds, ratio.reshape(-1).to(exact))  # bounds below each r
-        index = torch.where(a > 0, index.clamp(min=n) + 1, index.clamp(max=n))
-        weight, r = a.abs(), ratio.reshape(-1).double()
-        bins = [torch.where(a == 0, 0.0, weight * r), weight]  # |A| r (0, not NaN, if A = 0), |A|
-        bins = torch.stack([a.new_zeros(len(bounds) + 2).index_add_(0, index, v) for v in bins], 1)
-        bounds = bounds.double()
-        upper = totals(bins[n + 1 :], bounds[n:], True)
-        lower = totals(bins[: n + 1], bounds[:n], False)
-        sums = torch.cat([upper, lower]).masked_fill(bins.isnan().any(), math.nan)  # rho NaN
+        low, high = (torch.tensor(c, dtype=ratio.dtype) for c in (self.lower, self.upper))
+        a, r = advantages.detach().reshape(-1).double(), ratio.reshape(-1).double()
+        # Bucket: the bounds below r (a tie r = c goes either side: min(r, c) = r = c), by A's sign
+        n, capped = len(self.lower), not self.upper_first  # lower_first: a grid may be capped
+        size = n + len(self.upper) + 1  # buckets in each half
+        index = below(r, self.lower, capped) + below(r, self.upper, capped)
+        index = index.add_(a.sign().neg_().clamp_(min=0), alpha=size).nan_to_num_().long()
+        if ratio.dtype == torch.float16:  # its exp overflows past 11.09: A = 0 adds 0, not 0 * inf
+            r = r.masked_fill(a == 0, 0.0)
+        bins = [a.new_zeros(2 * size).index_add_(0, index, v) for v in (a.abs() * r, a.abs())]
+        bins = torch.stack(bins).view(2, 2, size)  # [|A| r or |A|, sign half, bucket]
+        below_c, above_c = bins.cumsum(-1)[..., :-1], bins.flip(-1).cumsum(-1).flip(-1)[..., 1:]
+        upper = below_c[0, 0, n:] + high.to(a) * above_c[1, 0, n:]  # P at each c_high (r <= c)
+        lower = above_c[0, 1, :n] + low.to(a) * below_c[1, 1, :n]  # N at each c_low (r > c)
+        sums = torch.cat([upper, lower]).masked_fill(bins.isnan().any(), math.nan)
         return log_ratio, advantages, low.tolist(), high.tolist(), sums
 
     def _search(self, sums: List[float]) -> Tuple[int, int, float]:
