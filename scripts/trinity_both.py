@@ -11,32 +11,20 @@ numerics, under which vLLM's compiled CPU sampler does not build.
 Read from Trinity's log: the trainer's ``Step N:`` lines (BAPO's pair and rho, the versions of
 the samples trained on: ``sample/model_version/*``), the explorer's (``rollout/model_version``,
 the version it rolled out with) and its reloads (``New model weights version: N``). Prints a
-line per trainer step, then one JSON line; exits 1 when a step, a reload of a trainer checkpoint
-or the last checkpoint is missing, or when the ranks chose apart with the sync on.
+line per trainer step, then one JSON line; ``trinity_run.problems`` adds, in this mode, a
+missing reload of a trainer checkpoint to what makes the exit code 1.
 """
 
 import math
-import os
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from scripts.harness.cpu import VLLM_STAND_INS_ENV
-from scripts.harness.launch import PINNED_NUMERICS, REPO
-from scripts.harness.owned_run import owned_run
-from scripts.harness.trinity_inputs import RANKS, Rollout
-from scripts.trinity_run import (
-    PAIR_KEYS,
-    agreement,
-    checkpoint,
-    prepare,
-    rank_calls,
-    run_name,
-    run_trinity,
-    worker_env,
-)
+from scripts.harness.launch import PINNED_NUMERICS
+from scripts.harness.trinity_inputs import Rollout, run_name
+from scripts.trinity_run import PAIR_KEYS, agreement, checkpoint, launch, rank_calls, worker_env
 
 ERROR = re.compile(r"(\w+(?:Error|Exception): .+)$", re.M)  # a traceback's last line
 RELOAD = re.compile(r"New model weights version: (\d+)")  # the explorer loaded a checkpoint
@@ -133,54 +121,8 @@ def report(out: Path, args, code: Optional[int], lines: List[Tuple[int, dict]]) 
     )
 
 
-def exit_code(result: dict) -> int:
-    """0 where the loop is whole (no ``problems``), else 1."""
-    return 1 if problems(result) else 0
-
-
-def problems(result: dict) -> List[str]:
-    """What keeps the loop from being whole, in words.
-
-    Whole: every step logged with BAPO's pair, the explorer reloaded a trainer checkpoint, the
-    last one saved, ``trinity run`` exited 0, and the ranks agreed where the sync is on.
-    """
-    found = []
-    if result["steps"] != list(range(1, result["requested_steps"] + 1)):
-        found.append(f"trainer steps logged: {result['steps']} of {result['requested_steps']}")
-    if not all(None not in pair for pair in result["clip_pairs"]):
-        found.append("a step without BAPO's pair")
-    if result["syncs"] == 0:
-        found.append("the explorer reloaded no trainer checkpoint")
-    if not result["checkpoint"]:
-        found.append("no checkpoint of the last step")
-    if result["trinity_exit"] != 0:
-        found.append(f"trinity run exited {result['trinity_exit']}")
-    if not result["ranks_agree"] and result["sync_across_dp"]:
-        found.append("the ranks chose apart")
-    return found
-
-
 def run_both(args) -> int:
-    """Own the folder, build, start Ray with a slot for the engine, run ``trinity run``, report."""
-    started, out, sync = time.monotonic(), args.out.resolve(), not args.no_sync
-    lines: List[Tuple[int, dict]] = []  # trinity run's Step lines, as they come
-    ended: List[int] = []  # trinity run's exit code, once it has one
-
-    def summary() -> dict:
-        result = report(out, args, ended[0] if ended else None, lines)
-        return dict(result, seconds=round(time.monotonic() - started, 1))
-
-    with owned_run(out, summary) as run:
-        staleness = Rollout(args.sync_interval, args.sync_offset)
-        config_path = prepare(out, args.steps, sync, args.search_scope, staleness)
-        print(f"inputs built under {out}; starting Ray and `trinity run` in mode both", flush=True)
-        head = run.start_ray(out / "ray", RANKS + 1, both_worker_env(out, not args.no_stand_ins))
-        env = {**head.env, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-        log = out / "trinity.log"
-        ended.append(run_trinity(config_path, env, log, args.timeout, progress(args.steps), lines))
-        result = run.finish()
-        if problems(result):
-            reasons = "; ".join([*filter(None, [result["error"]]), *problems(result)])
-            print(f"mode both failed: {reasons} ({result['log']})", file=sys.stderr, flush=True)
-        return exit_code(result)
+    """``trinity_run.launch`` with a rollout engine, its stand-ins and vLLM's CPU settings."""
+    rollout = Rollout(args.sync_interval, args.sync_offset)
+    workers = both_worker_env(args.out.resolve(), not args.no_stand_ins)
+    return launch(args, rollout, workers, {}, progress, report)

@@ -7,12 +7,14 @@ CPU stand-ins (``scripts/harness/cpu.py``) and record each rank's loss calls.
 
 ``trinity run`` exits 0 even when training fails, so success is read from what it logged: one
 ``Step N:`` line per requested step. Prints a line per step, then one JSON line; exits 1 when a
-step or the checkpoint is missing, or when the ranks chose apart with the sync on. The launch
+step, BAPO's pair or the checkpoint is missing, or when the ranks chose apart with the sync on,
+and says why on stderr (``problems``, one list for both modes). The launch
 owns ``--out`` (``scripts/harness/owned_run.py``): a second one on it refuses at once, and a
 signal stops its Ray, prints the JSON line with the steps so far and ends the launch by it.
 
 ``--mode both`` runs Trinity's asynchronous loop instead, a vLLM explorer beside the trainer
-(``scripts/trinity_both.py``), in the environment of ``make setup-vllm``.
+(``scripts/trinity_both.py``: its inputs, progress lines and report, through the same
+``launch``), in the environment of ``make setup-vllm``.
 """
 
 import argparse
@@ -197,60 +199,94 @@ def worker_env(out: Path) -> Dict[str, str]:
     return env
 
 
-def report(out: Path, requested: int, sync: bool, code: Optional[int], logged: dict) -> dict:
+def report(out: Path, args, code: Optional[int], lines: List[Tuple[int, dict]]) -> dict:
     """The JSON line: steps, pairs and rho as Trinity logged them, the ranks' own agreement.
 
     ``code`` is None where ``trinity run`` did not end (a signal cut the launch short).
     """
+    logged, sync = dict(lines), not args.no_sync
     steps = sorted(logged)
     return dict(
-        requested_steps=requested,
+        requested_steps=args.steps,
         steps=steps,
         clip_pairs=[[logged[s].get(k) for k in PAIR_KEYS[:2]] for s in steps],
         rho=[logged[s].get(PAIR_KEYS[2]) for s in steps],
         sync_across_dp=sync,
+        search_scope=args.search_scope,
         **agreement(rank_calls(out / "calls")),
-        checkpoint=checkpoint(out, run_name(sync), requested),
+        checkpoint=checkpoint(out, run_name(sync), args.steps),
         trinity_exit=code,
         log=str(out / "trinity.log"),
     )
 
 
-def exit_code(result: dict) -> int:
-    """0 where the run is whole, else 1: ``trinity run`` exits 0 even when a step failed.
+def problems(result: dict) -> List[str]:
+    """What keeps the run from being whole, in words: ``trinity run`` exits 0 even then.
 
-    Whole: every requested step logged, the last step's checkpoint saved, ``trinity run`` ended
-    with 0, and, where the sync is on, the ranks chose the same pair at every call.
+    Whole: every requested step logged with BAPO's pair, the last step's checkpoint saved,
+    ``trinity run`` ended with 0, the ranks chose the same pair at every call where the sync is
+    on, and in mode both (which counts ``syncs``) the explorer reloaded a trainer checkpoint.
     """
-    complete = result["steps"] == list(range(1, result["requested_steps"] + 1))
-    ended = complete and bool(result["checkpoint"]) and result["trinity_exit"] == 0
-    return 0 if ended and (result["ranks_agree"] or not result["sync_across_dp"]) else 1
+    found = []
+    if result["steps"] != list(range(1, result["requested_steps"] + 1)):
+        found.append(f"trainer steps logged: {result['steps']} of {result['requested_steps']}")
+    if not all(None not in pair for pair in result["clip_pairs"]):
+        found.append("a step without BAPO's pair")
+    if result.get("syncs") == 0:
+        found.append("the explorer reloaded no trainer checkpoint")
+    if not result["checkpoint"]:
+        found.append("no checkpoint of the last step")
+    if result["trinity_exit"] != 0:
+        found.append(f"trinity run exited {result['trinity_exit']}")
+    if not result["ranks_agree"] and result["sync_across_dp"]:
+        found.append("the ranks chose apart")
+    return found
+
+
+def exit_code(result: dict) -> int:
+    """0 where the run is whole (no ``problems``), else 1."""
+    return 1 if problems(result) else 0
+
+
+def launch(args, rollout: Optional[Rollout], workers: dict, driver: dict, show, summarize) -> int:
+    """Own the folder, build, start Ray, run ``trinity run``, stop Ray, report: the exit code.
+
+    ``rollout``: ``mode: both``, with a GPU slot more for the engine; else ``mode: train``.
+    ``workers``, ``driver``: the environments of Ray's workers and of the CLI (over Ray's).
+    ``show``: the progress lines of ``steps``; ``summarize``: the JSON line, as ``report``.
+    """
+    started, out = time.monotonic(), args.out.resolve()
+    lines: List[Tuple[int, Dict[str, float]]] = []  # trinity run's Step lines, as they come
+    ended: List[int] = []  # trinity run's exit code, once it has one
+
+    def summary() -> dict:
+        result = summarize(out, args, ended[0] if ended else None, lines)
+        return dict(result, seconds=round(time.monotonic() - started, 1))
+
+    with owned_run(out, summary) as run:
+        config_path = prepare(out, args.steps, not args.no_sync, args.search_scope, rollout)
+        print(f"inputs built under {out}; starting Ray and `trinity run`", flush=True)
+        head = run.start_ray(out / "ray", RANKS + (rollout is not None), workers)
+        env = {**head.env, **driver, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+        log = out / "trinity.log"
+        ended.append(run_trinity(config_path, env, log, args.timeout, show(args.steps), lines))
+        result = run.finish()
+        if problems(result):
+            reasons = "; ".join([*filter(None, [result.get("error")]), *problems(result)])
+            print(f"mode {args.mode} failed: {reasons} ({result['log']})", file=sys.stderr)
+        return exit_code(result)
 
 
 def main(argv=None) -> int:
-    """Own the folder, build, start Ray, run ``trinity run``, stop Ray, report."""
+    """Train from the prepared buffer, or (``--mode both``) beside a vLLM explorer."""
     args = parse_args(argv)
     if args.mode == "both":
         from scripts.trinity_both import run_both  # which builds on this module
 
         return run_both(args)
-    started, out, sync = time.monotonic(), args.out.resolve(), not args.no_sync
-    lines: List[Tuple[int, Dict[str, float]]] = []  # trinity run's Step lines, as they come
-    ended: List[int] = []  # trinity run's exit code, once it has one
-
-    def summary() -> dict:
-        result = report(out, args.steps, sync, ended[0] if ended else None, dict(lines))
-        result["search_scope"] = args.search_scope
-        return dict(result, seconds=round(time.monotonic() - started, 1))
-
-    with owned_run(out, summary) as run:
-        config_path = prepare(out, args.steps, sync, args.search_scope)
-        print(f"inputs built under {out}; starting Ray and `trinity run`", flush=True)
-        head = run.start_ray(out / "ray", RANKS, worker_env(out))
-        env = {**head.env, **PINNED_NUMERICS, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-        log = out / "trinity.log"
-        ended.append(run_trinity(config_path, env, log, args.timeout, progress(args.steps), lines))
-        return exit_code(run.finish())
+    workers = worker_env(args.out.resolve())
+    return launch(args, None, workers, PINNED_NUMERICS, progress, report)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import yaml
 
 from scripts.harness.launch import REPO, tail
 from scripts.harness.ray_local import kill_ray, link_dir, ray_processes
-from scripts.trinity_run import agreement, exit_code, numbers
+from scripts.trinity_run import agreement, exit_code, numbers, problems
 
 STEPS = 2
 OUT = REPO / "runs" / "test-trinity-run"
@@ -388,7 +388,7 @@ def test_agreement_counts_the_calls_where_ranks_chose_apart():
 
 
 WHOLE = dict(requested_steps=3, steps=[1, 2, 3], checkpoint="c", trinity_exit=0)
-WHOLE.update(ranks_agree=True, sync_across_dp=True)
+WHOLE.update(ranks_agree=True, sync_across_dp=True, clip_pairs=[[0.6, 1.2]] * 3)
 
 
 @pytest.mark.parametrize(
@@ -401,6 +401,7 @@ WHOLE.update(ranks_agree=True, sync_across_dp=True)
         ({"trinity_exit": -9}, 1),  # killed at the timeout
         ({"ranks_agree": False}, 1),
         ({"ranks_agree": False, "sync_across_dp": False}, 0),  # the control may disagree
+        ({"clip_pairs": [[0.6, 1.2], [None, None], [0.6, 1.2]]}, 1),  # a step without the pair
     ],
 )
 def test_exit_code_is_1_unless_the_run_is_whole(change, code):
@@ -475,9 +476,7 @@ BOTH = dict(WHOLE, requested_steps=2, steps=[1, 2], clip_pairs=[[0.6, 1.2], [0.7
     ],
 )
 def test_mode_both_exits_1_unless_the_loop_is_whole(change, code):
-    from scripts.trinity_both import exit_code as both_exit_code
-
-    assert both_exit_code({**BOTH, **change}) == code
+    assert exit_code({**BOTH, **change}) == code
 
 
 def test_mode_both_splits_the_trainers_step_lines_from_the_explorers():
@@ -537,8 +536,6 @@ def test_mode_both_config_passes_trinitys_checks_with_the_staleness_asked_for(tm
 
 
 def test_mode_both_says_what_is_missing():
-    from scripts.trinity_both import problems
-
     assert problems(BOTH) == []
     assert problems({**BOTH, "syncs": 0}) == ["the explorer reloaded no trainer checkpoint"]
     assert problems({**BOTH, "steps": [], "clip_pairs": [], "trinity_exit": None}) == [
