@@ -65,9 +65,10 @@ def syncs(call) -> int:
 def test_the_search_syncs_the_host_once_and_the_call_once_more_than_ppo():
     """Eq. 8's sums stay on the device until ``sums.tolist()``, the search's one host sync.
 
-    ``_prepare`` rounds the bounds to the ratio's dtype on the host (``torch.tensor(self.upper,
-    dtype=...).tolist()`` waits on nothing); the rest of a call syncs where PPO's does, in the
-    ``.item()`` of the four metrics both report.
+    ``_prepare`` rounds the bounds to the ratio's dtype on the host (its ``.tolist()`` waits on
+    nothing) and copies them to the device with ``non_blocking=True`` (a blocking copy would
+    synchronise); the rest of a call syncs where PPO's does, in the ``.item()`` of the four
+    metrics both report.
     """
     bapo, ppo = BAPOPolicyLossFn(), PPOPolicyLossFn(clip_range=0.2)
     batch = dict(zip(("logprob", "old_logprob", "action_mask", "advantages"), inputs("cuda")))

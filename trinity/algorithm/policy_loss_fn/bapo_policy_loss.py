@@ -179,8 +179,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         advantages = torch.where(action_mask.bool(), advantages, 0.0)
         log_ratio = torch.where(action_mask.bool(), logprob - old_logprob, 0.0)
         ratio = torch.exp(torch.clamp(log_ratio.detach(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        # The bounds as torch.clamp compares them with the ratio: 1.2 is 1.203125 in bfloat16.
-        low, high = (torch.tensor(c, dtype=ratio.dtype) for c in (self.lower, self.upper))
+        bounds = torch.tensor(self.lower + self.upper, dtype=ratio.dtype)  # as clamp rounds them
         a, r = advantages.detach().reshape(-1).double(), ratio.reshape(-1).double()
         # Bucket: the bounds below r (a tie r = c goes either side: min(r, c) = r = c), by A's sign
         n, capped = len(self.lower), not self.upper_first  # lower_first: a grid may be capped
@@ -192,10 +191,11 @@ class BAPOPolicyLossFn(PolicyLossFn):
         bins = [a.new_zeros(2 * size).index_add_(0, index, v) for v in (a.abs() * r, a.abs())]
         bins = torch.stack(bins).view(2, 2, size)  # [|A| r or |A|, sign half, bucket]
         below_c, above_c = bins.cumsum(-1)[..., :-1], bins.flip(-1).cumsum(-1).flip(-1)[..., 1:]
-        upper = below_c[0, 0, n:] + high.to(a) * above_c[1, 0, n:]  # P at each c_high (r <= c)
-        lower = above_c[0, 1, :n] + low.to(a) * below_c[1, 1, :n]  # N at each c_low (r > c)
+        c = bounds.to(a, non_blocking=True)  # from the host, waiting on nothing
+        upper = below_c[0, 0, n:] + c[n:] * above_c[1, 0, n:]  # P at each c_high (r <= c)
+        lower = above_c[0, 1, :n] + c[:n] * below_c[1, 1, :n]  # N at each c_low (r > c)
         sums = torch.cat([upper, lower]).masked_fill(bins.isnan().any(), math.nan)
-        return log_ratio, advantages, low.tolist(), high.tolist(), sums
+        return log_ratio, advantages, bounds[:n].tolist(), bounds[n:].tolist(), sums
 
     def _search(self, sums: List[float]) -> Tuple[int, int, float]:
         """Indices of (c_low, c_high) and rho there: the path's first pair with rho not < rho0."""
