@@ -23,8 +23,10 @@ from typing import Dict, List, Optional, Tuple
 
 from scripts.harness.cpu import VLLM_STAND_INS_ENV
 from scripts.harness.launch import PINNED_NUMERICS
-from scripts.harness.trinity_inputs import Rollout, run_name
-from scripts.trinity_run import PAIR_KEYS, agreement, checkpoint, launch, rank_calls, worker_env
+from scripts.harness.trinity_inputs import Rollout
+from scripts.trinity_run import PAIR_KEYS, launch
+from scripts.trinity_run import report as train_report
+from scripts.trinity_run import worker_env
 
 ERROR = re.compile(r"(\w+(?:Error|Exception): .+)$", re.M)  # a traceback's last line
 RELOAD = re.compile(r"New model weights version: (\d+)")  # the explorer loaded a checkpoint
@@ -81,43 +83,36 @@ def progress(steps: int):
 
 
 def report(out: Path, args, code: Optional[int], lines: List[Tuple[int, dict]]) -> dict:
-    """The JSON line: per trainer step, the samples' versions and BAPO's pair and rho.
+    """``trinity_run.report`` on the trainer's lines, with the samples' versions and the reward.
 
     A step's samples are stale by the trainer's version (``step - 1``) less theirs. Then the
-    explorer's versions, the reloads, and the ranks' agreement.
+    explorer's versions, its reloads, and the last exception Trinity logged.
     """
     trainer, explorer = split_roles(lines)
-    steps = sorted(trainer)
+    result = train_report(out, args, code, sorted(trainer.items()))
+    steps = result["steps"]
     versions = [[trainer[s].get(k) for k in VERSIONS] for s in steps]
     rolled = [
         explorer[s][EXPLORER_VERSION] for s in sorted(explorer) if EXPLORER_VERSION in explorer[s]
     ]
-    log = out / "trinity.log"
+    log = Path(result["log"])
     text = log.read_text(errors="replace") if log.exists() else ""
     error, reloaded = ERROR.search(text), [int(v) for v in RELOAD.findall(text)]
     return dict(
         mode="both",
-        requested_steps=args.steps,
-        steps=steps,
+        **result,
         trainer_versions=[s - 1 for s in steps],
         sample_versions=versions,
         staleness=[
             s - 1 - low if low is not None else None for s, (low, _) in zip(steps, versions)
         ],
-        clip_pairs=[[trainer[s].get(k) for k in PAIR_KEYS[:2]] for s in steps],
-        rho=[trainer[s].get(PAIR_KEYS[2]) for s in steps],
         reward=[trainer[s].get(REWARD) for s in steps],
         explorer_versions=rolled,
         reloaded_versions=reloaded,
         syncs=len(reloaded),
         sync_interval=args.sync_interval,
         sync_offset=args.sync_offset,
-        sync_across_dp=not args.no_sync,
-        **agreement(rank_calls(out / "calls")),
-        checkpoint=checkpoint(out, run_name(not args.no_sync), args.steps),
-        trinity_exit=code,
         error=error.group(1).strip() if error else None,
-        log=str(log),
     )
 
 

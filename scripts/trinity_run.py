@@ -272,8 +272,9 @@ def launch(args, rollout: Optional[Rollout], workers: dict, driver: dict, show, 
         log = out / "trinity.log"
         ended.append(run_trinity(config_path, env, log, args.timeout, show(args.steps), lines))
         result = run.finish()
-        if problems(result):
-            reasons = "; ".join([*filter(None, [result.get("error")]), *problems(result)])
+        found = problems(result)
+        if found:
+            reasons = "; ".join([*filter(None, [result.get("error")]), *found])
             print(f"mode {args.mode} failed: {reasons} ({result['log']})", file=sys.stderr)
         return exit_code(result)
 
