@@ -310,6 +310,30 @@ def owner(out: Path, wait: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=REPO, stdin=pipe, stdout=pipe, stderr=pipe, text=True)
 
 
+def test_a_process_of_that_ray_whose_title_hides_the_mark_is_found_by_its_logs(tmp_path):
+    """A process of the Ray without the mark is found by its open logs, and killed alone.
+
+    Ray's agents retitle themselves over their environment, mark included; their log files
+    under the Ray's folder still tell. A process holding a file elsewhere is left alone.
+    """
+    folder = tmp_path / "ray"
+    (folder / "logs").mkdir(parents=True)
+    hold = "import sys, time; f = open(sys.argv[1], 'w'); print('open', flush=True); time.sleep(60)"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", hold, str(path)], stdout=subprocess.PIPE, text=True)
+        for path in (folder / "logs" / "agent.log", tmp_path / "elsewhere.log")
+    ]
+    try:
+        assert all(p.stdout.readline() == "open\n" for p in procs)  # type: ignore[union-attr]
+        assert ray_processes(folder) == [procs[0].pid]
+        kill_ray(folder)
+        assert procs[0].wait(10) == -signal.SIGKILL and procs[1].poll() is None
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_signal_during_the_report_ends_the_run_by_it_after_the_json_line(tmp_path):
     proc = owner(tmp_path / "out", "report")
     assert proc.stdout.readline() == "holding\n"  # type: ignore[union-attr]

@@ -3,7 +3,9 @@
 ``ray stop`` stops every Ray on the machine, so it is never called: the head runs as
 ``ray start --block`` in a process group of its own, and stopping it signals that group, then
 kills every process whose environment holds this Ray's mark. Every process of this Ray inherits
-it, also the workers, which rename themselves (``ray::WorkerDict``) and leave the group.
+it, also the workers, which rename themselves (``ray::WorkerDict``) and leave the group. Ray's
+agents (``ray::DashboardAgent``) write their new title over it, so a process that holds a file
+open under the folder (its logs) counts too.
 ``RAY_AUTH_MODE=disabled`` and a HOME inside the folder keep Ray from writing a token under the
 user's ``~/.ray``; every port is one found free, so that two runs can share a machine. Ray's
 socket paths must fit in 107 bytes, so its temp dir is named by a short link in the system's
@@ -86,15 +88,33 @@ def start_ray(folder: Path, gpus: int, worker_env: Dict[str, str], timeout_s=120
 
 
 def ray_processes(folder: Path) -> List[int]:
-    """The pids of live processes of the Ray under ``folder`` (by their environment's mark)."""
-    mark, found = f"\0{MARK_ENV}={folder.resolve()}\0".encode(), []
+    """The pids of live processes of the Ray under ``folder``, this one's aside.
+
+    By their environment's mark, or by a file they hold open under ``folder`` (their logs): Ray's
+    agents retitle themselves over the memory ``/proc/<pid>/environ`` reads, mark included.
+    """
+    root = str(folder.resolve())
+    mark, found = f"\0{MARK_ENV}={root}\0".encode(), []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and mark in b"\0" + (entry / "environ").read_bytes():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            if mark in b"\0" + (entry / "environ").read_bytes() or holds_files_in(entry, root):
                 found.append(int(entry.name))
         except OSError:  # gone meanwhile, or not ours to read
             continue
     return found
+
+
+def holds_files_in(process: Path, root: str) -> bool:
+    """Whether the process (its ``/proc`` entry) has a file open under the directory ``root``."""
+    for fd in (process / "fd").iterdir():
+        try:
+            if os.readlink(fd).startswith(root + os.sep):
+                return True
+        except OSError:  # closed meanwhile
+            continue
+    return False
 
 
 def stop_ray(head: RayHead, grace_s: float = 20) -> None:
