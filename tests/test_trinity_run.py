@@ -311,7 +311,7 @@ def owner(out: Path, wait: str) -> subprocess.Popen:
 
 
 def test_a_process_of_that_ray_whose_title_hides_the_mark_is_found_by_its_logs(tmp_path):
-    """A process of the Ray without the mark is found by its open logs, and killed alone.
+    """A ``ray::`` process of the Ray without the mark is found by its open logs, killed alone.
 
     Ray's agents retitle themselves over their environment, mark included; their log files
     under the Ray's folder still tell. A process holding a file elsewhere is left alone.
@@ -319,8 +319,13 @@ def test_a_process_of_that_ray_whose_title_hides_the_mark_is_found_by_its_logs(t
     folder = tmp_path / "ray"
     (folder / "logs").mkdir(parents=True)
     hold = "import sys, time; f = open(sys.argv[1], 'w'); print('open', flush=True); time.sleep(60)"
-    procs = [
-        subprocess.Popen([sys.executable, "-c", hold, str(path)], stdout=subprocess.PIPE, text=True)
+    procs = [  # titled as Ray's agent titles itself: argv[0] "ray::DashboardAgent"
+        subprocess.Popen(
+            ["ray::DashboardAgent", "-c", hold, str(path)],
+            executable=sys.executable,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         for path in (folder / "logs" / "agent.log", tmp_path / "elsewhere.log")
     ]
     try:

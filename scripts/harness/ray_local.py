@@ -4,8 +4,8 @@
 ``ray start --block`` in a process group of its own, and stopping it signals that group, then
 kills every process whose environment holds this Ray's mark. Every process of this Ray inherits
 it, also the workers, which rename themselves (``ray::WorkerDict``) and leave the group. Ray's
-agents (``ray::DashboardAgent``) write their new title over it, so a process that holds a file
-open under the folder (its logs) counts too.
+agents (``ray::DashboardAgent``) write their new title over it, so a process titled ``ray::``
+that holds a file open under the folder (its logs) counts too.
 ``RAY_AUTH_MODE=disabled`` and a HOME inside the folder keep Ray from writing a token under the
 user's ``~/.ray``; every port is one found free, so that two runs can share a machine. Ray's
 socket paths must fit in 107 bytes, so its temp dir is named by a short link in the system's
@@ -90,8 +90,9 @@ def start_ray(folder: Path, gpus: int, worker_env: Dict[str, str], timeout_s=120
 def ray_processes(folder: Path) -> List[int]:
     """The pids of live processes of the Ray under ``folder``, this one's aside.
 
-    By their environment's mark, or by a file they hold open under ``folder`` (their logs): Ray's
-    agents retitle themselves over the memory ``/proc/<pid>/environ`` reads, mark included.
+    By their environment's mark, or, for a process titled ``ray::...``, by a file it holds open
+    under ``folder`` (its logs): Ray's agents retitle themselves over the memory
+    ``/proc/<pid>/environ`` reads, mark included. Only those have their open files read.
     """
     root = str(folder.resolve())
     mark, found = f"\0{MARK_ENV}={root}\0".encode(), []
@@ -99,7 +100,10 @@ def ray_processes(folder: Path) -> List[int]:
         try:
             if not entry.name.isdigit() or int(entry.name) == os.getpid():
                 continue
-            if mark in b"\0" + (entry / "environ").read_bytes() or holds_files_in(entry, root):
+            if mark in b"\0" + (entry / "environ").read_bytes() or (
+                (entry / "cmdline").read_bytes().startswith(b"ray::")
+                and holds_files_in(entry, root)
+            ):
                 found.append(int(entry.name))
         except OSError:  # gone meanwhile, or not ours to read
             continue
