@@ -377,7 +377,7 @@ CHECK_EDITS = {
 @pytest.mark.parametrize("breakage", sorted(BREAKAGES))
 def test_bapo_tests_fail_when_a_claim_is_undone(breakage, written, tmp_path_factory) -> None:
     tree, path = patched_tree("bapo", written, tmp_path_factory), []
-    if breakage == "all_reduce_does_nothing":  # in every process, the spawned ranks included
+    if breakage == "all_reduce_does_nothing":  # in the test process, and the ranks it forks
         path.append(tmp_path_factory.mktemp("hook"))
         hook = "import torch.distributed\ntorch.distributed.all_reduce = lambda *a, **k: None\n"
         (path[0] / "sitecustomize.py").write_text(hook)

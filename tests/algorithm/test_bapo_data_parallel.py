@@ -1,7 +1,8 @@
 # -*- coding: utf-8 -*-
 """Test BAPO over two gloo data-parallel ranks, and the trainer it refuses.
 
-The ranks call BAPO through TrinityPolicyLoss with their group, as verl's engine does.
+The ranks call BAPO through TrinityPolicyLoss with their group, as verl's engine does. They are
+forked, so they start with the imports of this module instead of making them again.
 """
 
 import json
@@ -15,9 +16,11 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tensordict import TensorDict
 
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 from trinity.common.config import AlgorithmConfig, Config
+from trinity.trainer.verl.losses import TrinityPolicyLoss
 
 WORLD, TIMEOUT = 2, 300  # seconds for the whole two-rank run, start-up included
 
@@ -42,10 +45,6 @@ def alone(batches):
 
 def run_rank(rank, store):
     """One rank: the pair that TrinityPolicyLoss, given the group, reports."""
-    from tensordict import TensorDict
-
-    from trinity.trainer.verl.losses import TrinityPolicyLoss
-
     torch.set_num_threads(1)
     group = dict(rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", init_method=f"file://{store}", **group)
@@ -73,7 +72,8 @@ class BAPODataParallelTest(unittest.TestCase):
     def test_every_rank_takes_the_pair_of_the_union(self):
         """A rank alone would choose another pair: the all-reduce makes them agree."""
         with tempfile.TemporaryDirectory() as tmp:
-            context = mp.start_processes(run_rank, (f"{tmp}/store",), WORLD, join=False)
+            store = f"{tmp}/store"
+            context = mp.start_processes(run_rank, (store,), WORLD, join=False, start_method="fork")
             deadline = time.monotonic() + TIMEOUT  # past it, the ranks' own timeout ends them
             while not context.join(timeout=5):
                 self.assertLess(time.monotonic(), deadline, f"the ranks ran past {TIMEOUT} s")

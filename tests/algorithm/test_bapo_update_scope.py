@@ -267,11 +267,11 @@ class BAPOUpdateScopeTest(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        """Run both ranks once (spawned, file rendezvous, under a timeout); read their files."""
+        """Run both ranks once (forked, file rendezvous, under a timeout); read their files."""
         with tempfile.TemporaryDirectory() as tmp:
             store = Path(tmp) / "store"
             context = mp.start_processes(
-                run_rank, (str(store),), nprocs=WORLD, join=False, start_method="spawn"
+                run_rank, (str(store),), nprocs=WORLD, join=False, start_method="fork"
             )
             deadline = time.monotonic() + TIMEOUT
             while not context.join(timeout=5):
