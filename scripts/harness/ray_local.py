@@ -124,8 +124,8 @@ def holds_files_in(process: Path, root: str) -> bool:
 def stop_ray(head: RayHead, grace_s: float = 2) -> None:
     """Stop this head and every process of its Ray; no other Ray on the machine is touched.
 
-    The group gets a SIGTERM and ``grace_s`` to flush its logs, then each process is killed: the
-    head, its GCS and raylet outlive a SIGTERM by more than 20 s, so a longer grace only waits.
+    The group gets a SIGTERM and ``grace_s`` to flush its logs, then each process is killed:
+    ``ray start --block`` outlives a SIGTERM by more than 20 s, so a longer grace only waits.
     """
     try:
         os.killpg(head.proc.pid, signal.SIGTERM)
