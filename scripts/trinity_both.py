@@ -3,15 +3,16 @@
 ``trinity run --config`` in ``mode: both``: one vLLM engine explores a task set built in code and
 scores it with a rule reward; 2 FSDP2 ranks train BAPO on its rollouts from a queue; with
 ``sync_method: checkpoint`` the explorer reloads the trainer's checkpoint every ``sync_interval``
-steps while running ``sync_offset`` steps ahead, so the trained rollouts are stale. The Ray of
-``scripts/trinity_run.py`` runs it with a GPU slot more for the engine; its workers take the
-trainer's CPU stand-ins and the explorer's (``scripts/harness/cpu.py``), and not our pinned
-numerics, under which vLLM's compiled CPU sampler does not build.
+steps while running ``sync_offset`` steps ahead, so the trained rollouts are stale. The launch
+both modes share (``scripts/harness/trinity_launch.py``) runs it with a GPU slot more for the
+engine; its workers take the trainer's CPU stand-ins and the explorer's
+(``scripts/harness/cpu.py``), and not our pinned numerics, under which vLLM's compiled CPU
+sampler does not build.
 
 Read from Trinity's log: the trainer's ``Step N:`` lines (BAPO's pair and rho, the versions of
 the samples trained on: ``sample/model_version/*``), the explorer's (``rollout/model_version``,
 the version it rolled out with) and its reloads (``New model weights version: N``). Prints a
-line per trainer step, then one JSON line; ``trinity_run.problems`` adds, in this mode, a
+line per trainer step, then one JSON line; ``trinity_launch.problems`` adds, in this mode, a
 missing reload of a trainer checkpoint to what makes the exit code 1.
 """
 
@@ -24,9 +25,9 @@ from typing import Dict, List, Optional, Tuple
 from scripts.harness.cpu import VLLM_STAND_INS_ENV
 from scripts.harness.launch import PINNED_NUMERICS
 from scripts.harness.trinity_inputs import Rollout
-from scripts.trinity_run import PAIR_KEYS, launch
-from scripts.trinity_run import report as train_report
-from scripts.trinity_run import worker_env
+from scripts.harness.trinity_launch import PAIR_KEYS, launch
+from scripts.harness.trinity_launch import report as train_report
+from scripts.harness.trinity_launch import worker_env
 
 ERROR = re.compile(r"(\w+(?:Error|Exception): .+)$", re.M)  # a traceback's last line
 RELOAD = re.compile(r"New model weights version: (\d+)")  # the explorer loaded a checkpoint
@@ -83,7 +84,7 @@ def progress(steps: int):
 
 
 def report(out: Path, args, code: Optional[int], lines: List[Tuple[int, dict]]) -> dict:
-    """``trinity_run.report`` on the trainer's lines, with the samples' versions and the reward.
+    """``trinity_launch.report`` on the trainer's lines, with the samples' versions and the reward.
 
     A step's samples are stale by the trainer's version (``step - 1``) less theirs. Then the
     explorer's versions, its reloads, and the last exception Trinity logged.
@@ -117,7 +118,7 @@ def report(out: Path, args, code: Optional[int], lines: List[Tuple[int, dict]]) 
 
 
 def run_both(args) -> int:
-    """``trinity_run.launch`` with a rollout engine, its stand-ins and vLLM's CPU settings."""
+    """``trinity_launch.launch`` with a rollout engine, its stand-ins and vLLM's CPU settings."""
     rollout = Rollout(args.sync_interval, args.sync_offset)
     workers = both_worker_env(args.out.resolve(), not args.no_stand_ins)
     return launch(args, rollout, workers, {}, progress, report)

@@ -12,6 +12,8 @@ to the process group while Ray starts, SIGTERM while the ranks train. Each must 
 process of its Ray and no link, and end by its signal after a last JSON line.
 """
 
+import argparse
+import ast
 import json
 import math
 import os
@@ -28,8 +30,9 @@ import pytest
 import yaml
 
 from scripts.harness.launch import REPO, tail
-from scripts.harness.ray_local import kill_ray, link_dir, ray_processes
-from scripts.trinity_run import agreement, exit_code, numbers, problems
+from scripts.harness.owned_run import LOCK
+from scripts.harness.ray_local import MARK_ENV, kill_ray, link_dir, ray_processes
+from scripts.harness.trinity_launch import agreement, exit_code, numbers, problems
 
 STEPS = 2
 OUT = REPO / "runs" / "test-trinity-run"
@@ -266,7 +269,7 @@ def test_a_signal_stops_that_ray_and_the_last_line_says_interrupted(signum, mome
 
 def holding(launch: Launch) -> bool:
     """Whether the launch holds its folder: its PID in the lock file."""
-    lock = launch.out / ".lock"
+    lock = launch.out / LOCK
     return lock.exists() and lock.read_text().strip() == str(launch.proc.pid)
 
 
@@ -310,31 +313,58 @@ def owner(out: Path, wait: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=REPO, stdin=pipe, stdout=pipe, stderr=pipe, text=True)
 
 
-def test_a_process_of_that_ray_whose_title_hides_the_mark_is_found_by_its_logs(tmp_path):
-    """A ``ray::`` process of the Ray without the mark is found by its open logs, killed alone.
+# A process that holds a file open (appending, so that nothing in it changes) until killed
+HOLD = "import sys, time; f = open(sys.argv[1], 'a'); print('open', flush=True); time.sleep(60)"
+# A process with the given environment that starts a child without its mark, titled as Ray's
+# agents title themselves over their environment, and prints the child's PID
+HIDE = (
+    "import os, subprocess, sys, time; env = dict(os.environ); del env[sys.argv[1]]; "
+    "child = subprocess.Popen(['ray::DashboardAgent', '-c', 'import time; time.sleep(60)'], "
+    "executable=sys.executable, env=env); print(child.pid, flush=True); time.sleep(60)"
+)
 
-    Ray's agents retitle themselves over their environment, mark included; their log files
-    under the Ray's folder still tell. A process holding a file elsewhere is left alone.
+
+def holder(path: Path) -> subprocess.Popen:
+    """Someone else's process titled ``ray::`` (argv[0]) holding ``path`` open, once it does."""
+    cmd = ["ray::Stranger", "-c", HOLD, str(path)]
+    proc = subprocess.Popen(cmd, executable=sys.executable, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "open\n"  # type: ignore[union-attr]
+    return proc
+
+
+def marked(folder: Path) -> tuple:
+    """A process with the mark of the Ray under ``folder``, and its child without it: the PIDs."""
+    env = {**os.environ, MARK_ENV: str(folder.resolve())}
+    cmd = [sys.executable, "-c", HIDE, MARK_ENV]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    return proc, int(proc.stdout.readline())  # type: ignore[union-attr]
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_that_rays_processes_are_its_marked_ones_and_their_children_and_no_other(tmp_path):
+    """A child of a marked process is found without the mark; a stranger holding a log is not.
+
+    Ray's agents retitle themselves over their environment, mark included; a process of
+    someone else's may hold a file open under the folder, and is left alone.
     """
     folder = tmp_path / "ray"
     (folder / "logs").mkdir(parents=True)
-    hold = "import sys, time; f = open(sys.argv[1], 'w'); print('open', flush=True); time.sleep(60)"
-    procs = [  # titled as Ray's agent titles itself: argv[0] "ray::DashboardAgent"
-        subprocess.Popen(
-            ["ray::DashboardAgent", "-c", hold, str(path)],
-            executable=sys.executable,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for path in (folder / "logs" / "agent.log", tmp_path / "elsewhere.log")
-    ]
+    stranger = holder(folder / "logs" / "agent.log")
+    parent, child = marked(folder)
     try:
-        assert all(p.stdout.readline() == "open\n" for p in procs)  # type: ignore[union-attr]
-        assert ray_processes(folder) == [procs[0].pid]
+        assert sorted(ray_processes(folder)) == sorted([parent.pid, child])
         kill_ray(folder)
-        assert procs[0].wait(10) == -signal.SIGKILL and procs[1].poll() is None
+        assert parent.wait(10) == -signal.SIGKILL and stranger.poll() is None
+        until(lambda: not alive(child), 10, "the child's end")
     finally:
-        for proc in procs:
+        for proc in (stranger, parent):
             proc.kill()
             proc.wait()
 
@@ -354,7 +384,7 @@ def test_a_signal_during_the_report_ends_the_run_by_it_after_the_json_line(tmp_p
     }
 
 
-def test_a_folder_whose_owner_was_killed_is_taken_over(tmp_path):
+def test_a_folder_whose_owner_was_killed_is_taken_over_after_its_ray_alone_is_killed(tmp_path):
     out = tmp_path / "out"
     held = owner(out, "hold")
     assert held.stdout.readline() == "holding\n"  # type: ignore[union-attr]
@@ -364,12 +394,56 @@ def test_a_folder_whose_owner_was_killed_is_taken_over(tmp_path):
     (out / "left-by-the-first").write_text("")
     held.kill()
     held.communicate(timeout=30)
-    assert (out / ".lock").read_text().strip() == str(held.pid)  # a dead PID stays in the file
-    after = owner(out, "none")
-    stdout, err = after.communicate(timeout=30)
+    assert (out / LOCK).read_text().strip() == str(held.pid)  # a dead PID stays in the file
+    (out / "ray" / "logs").mkdir(parents=True)  # a Ray the dead launch left, and a stranger
+    stranger, (left, child) = holder(out / "ray" / "logs" / "x.log"), marked(out / "ray")
+    try:
+        after = owner(out, "none")
+        stdout, err = after.communicate(timeout=30)
+        assert left.wait(10) == -signal.SIGKILL and stranger.poll() is None
+        until(lambda: not alive(child), 10, "the end of the left Ray's agent")
+    finally:
+        for proc in (stranger, left):
+            proc.kill()
+            proc.wait()
     assert after.returncode == 0, err
     assert json.loads(stdout.splitlines()[-1]) == {"steps": [1], "interrupted": False}
-    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+    assert sorted(p.name for p in out.iterdir()) == [LOCK]
+
+
+def test_the_owner_takes_a_new_or_empty_folder_and_refuses_a_file(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("kept")
+    for name in ("new", "empty"):
+        done = owner(tmp_path / name, "none")
+        assert done.wait(30) == 0, done.communicate()
+        assert [p.name for p in (tmp_path / name).iterdir()] == [LOCK]
+    refused = owner(tmp_path / "file", "none")
+    _, err = refused.communicate(timeout=30)
+    assert refused.returncode == 1 and err.strip() == f"{tmp_path / 'file'} is not a folder"
+    assert (tmp_path / "file").read_text() == "kept"
+
+
+def test_a_folder_no_launch_made_is_refused_before_ray_and_nothing_in_it_touched(tmp_path):
+    out = tmp_path / "runs"
+    for name in ("demo/report.png", "experiment/metrics.jsonl", ".lock"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(name)  # ".lock": a file of that name is no launch's
+    stranger = holder(out / "experiment" / "metrics.jsonl")
+    before = snapshot(out)
+    try:
+        refused = second_launch(out)
+        assert stranger.poll() is None
+    finally:
+        stranger.kill()
+        stranger.wait()
+        kill_ray(out / "ray")  # a no-op unless the launch was not refused
+    assert refused["code"] == 1 and len(refused["stderr"]) == 1, refused
+    assert refused["stderr"][0] == (
+        f"{out} holds files and no {LOCK}, so no launch made it; refusing to empty it: "
+        "name a new or empty folder"
+    )
+    assert snapshot(out) == before
 
 
 def test_step_lines_are_read_as_trinitys_monitor_writes_them():
@@ -571,3 +645,83 @@ def test_mode_both_says_what_is_missing():
         "trainer steps logged: [] of 2",
         "trinity run exited None",
     ]
+
+
+def test_an_out_path_with_yamls_special_characters_keeps_the_run_inside_it(tmp_path):
+    """``" #"`` would start a comment in YAML text, ``": "`` a mapping, ``"?"`` a URL's query."""
+    from scripts.harness.trinity_inputs import Rollout, fill_buffer, write_config
+    from trinity.common.config import load_config
+
+    out = tmp_path / "run #2: a?b%20c"
+    out.mkdir()
+    config = load_config(str(write_config(out, 1, True))).check_and_update()
+    assert config.model.model_path == str(out / "model")
+    assert config.checkpoint_root_dir == str(out / "checkpoints")
+    fill_buffer(out / "config.yaml", 1)
+    assert (out / "buffer.db").stat().st_size > 0
+    both = yaml.safe_load(write_config(out, 1, True, rollout=Rollout(2, 1)).read_text())
+    assert both["buffer"]["explorer_input"]["taskset"]["path"] == str(out / "tasks")
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # nothing written beside it
+
+
+def test_the_short_link_goes_where_rays_sockets_fit_under_a_long_tmpdir(tmp_path, monkeypatch):
+    from ray._private.utils import validate_socket_filepath
+
+    long = tmp_path / ("t" * (120 - len(str(tmp_path)) - 1))
+    long.mkdir()
+    assert len(str(long)) == 120
+    monkeypatch.setattr(tempfile, "tempdir", str(long))  # what gettempdir() read from TMPDIR
+    link = link_dir(tmp_path / "ray")
+    assert link.parent == Path("/tmp")  # where Ray's own /tmp/ray goes
+    # Ray's longest socket path: its session (the time, the head's largest PID), plasma's socket
+    session = f"session_{time.strftime('%Y-%m-%d_%H-%M-%S')}_000000_"
+    session += Path("/proc/sys/kernel/pid_max").read_text().strip()
+    validate_socket_filepath(str(link / "tmp" / session / "sockets" / "plasma_store"))
+    with pytest.raises(OSError, match="cannot exceed 107 bytes"):  # the check holds under TMPDIR
+        validate_socket_filepath(
+            str(long / link.name / "tmp" / session / "sockets" / "plasma_store")
+        )
+
+
+def test_a_temp_dir_that_leaves_rays_sockets_no_room_is_refused_naming_it(tmp_path, monkeypatch):
+    from scripts.harness import trinity_launch
+
+    long = str(tmp_path / ("t" * 120))
+    monkeypatch.setattr(tempfile, "tempdir", long)
+    monkeypatch.setattr(os, "access", lambda path, mode: path != "/tmp")  # /tmp unwritable
+    args = argparse.Namespace(out=tmp_path / "out")
+    with pytest.raises(SystemExit, match=re.escape(f"temp dir {long} would exceed 107 bytes")):
+        trinity_launch.launch(args, None, {}, {}, None, None)
+    assert not args.out.exists()
+
+
+def imports_of(path: Path) -> set:
+    """The modules a file imports, at its top or inside a function, and the names it imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+    return found
+
+
+def test_no_module_of_scripts_imports_one_that_imports_it_back():
+    files = {  # module name: file, a package named by its __init__.py
+        ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): path
+        for path in (REPO / "scripts").rglob("*.py")
+    }
+    graph = {name: imports_of(path) & files.keys() - {name} for name, path in files.items()}
+
+    def reached(start: str) -> set:
+        """Every module that ``start`` imports, directly or through others."""
+        seen: set = set()
+        todo = [start]
+        while todo:
+            new = graph[todo.pop()] - seen
+            seen |= new
+            todo += new
+        return seen
+
+    assert "scripts.trinity_both" in graph["scripts.trinity_run"]  # the graph sees imports
+    assert [(a, b) for a in graph for b in graph[a] if a in reached(b)] == []

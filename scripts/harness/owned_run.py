@@ -5,10 +5,13 @@
 - SIGINT, SIGTERM and SIGHUP get a handler first, so that a signal at any moment (before a Ray is
   up, while it starts, while it trains, during the report) raises ``Interrupted`` in the main
   thread, and every ``finally`` on the way out runs; Python's default SIGTERM and SIGHUP skip them.
-- ``out`` is locked (an flock on ``out/.lock``, which holds the PID): a second launch on it exits
-  at once with one line naming the folder and that PID, and the first is untouched. The kernel
-  drops the lock of a dead launch, so its folder is taken over: once locked, the folder is
-  emptied, after the Rays a dead launch left in it are killed; nothing of an earlier run is read.
+- ``out`` must be a folder that does not exist, an empty one, or one a launch made (it holds the
+  lock file): any other is refused at once, with one line naming it, and nothing in it touched.
+- ``out`` is locked (an flock on ``out/.bapo-run.lock``, which holds the PID): a second launch on
+  it exits at once with one line naming the folder and that PID, and the first is untouched. The
+  kernel drops the lock of a dead launch, so its folder is taken over: once locked, the folder is
+  emptied, after the Rays a dead launch started in it are killed (by their mark: no other
+  process); nothing of an earlier run is read.
 - Every Ray begun by ``start_ray`` is stopped process by process, its link removed, also a Ray
   whose start a signal cut short (by its folder). After a signal every process of it is killed
   at once (its head gets no grace to stop its children): the folder is not reused.
@@ -28,7 +31,7 @@ from typing import Callable, Dict, Iterator, Optional
 from scripts.harness.ray_local import RayHead, kill_ray, start_ray, stop_ray
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-LOCK = ".lock"  # in the folder, which ``clear`` empties around it
+LOCK = ".bapo-run.lock"  # in the folder, which ``clear`` empties around it: a launch made it
 
 
 class Interrupted(BaseException):
@@ -53,6 +56,16 @@ class Run:
             if not self.closing:
                 raise Interrupted(signal.Signals(signum).name)
 
+    def claim(self) -> None:
+        """Exit naming the folder, touching nothing, unless it is new, empty, or a launch's."""
+        if self.out.exists() and not self.out.is_dir():
+            raise SystemExit(f"{self.out} is not a folder")
+        if self.out.is_dir() and not (self.out / LOCK).is_file() and any(self.out.iterdir()):
+            raise SystemExit(
+                f"{self.out} holds files and no {LOCK}, so no launch made it; refusing to empty "
+                "it: name a new or empty folder"
+            )
+
     def lock(self) -> None:
         """Lock the folder, or exit naming it and the PID of the launch that holds it."""
         self.out.mkdir(parents=True, exist_ok=True)
@@ -70,7 +83,7 @@ class Run:
     def clear(self) -> None:
         """Empty the folder but for the lock, first killing any Ray a dead launch left in it."""
         for path in self.out.iterdir():
-            if path.is_dir():
+            if path.is_dir() and not path.is_symlink():
                 kill_ray(path)
                 shutil.rmtree(path)
             elif path.name != LOCK:
@@ -118,6 +131,7 @@ def owned_run(out: Path, summary: Callable[[], dict]) -> Iterator[Run]:
     run = Run(out, summary)
     previous = {signum: signal.signal(signum, run.interrupt) for signum in SIGNALS}
     try:
+        run.claim()
         run.lock()
         run.clear()
         yield run

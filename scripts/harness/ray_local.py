@@ -2,18 +2,21 @@
 
 ``ray stop`` stops every Ray on the machine, so it is never called: the head runs as
 ``ray start --block`` in a process group of its own, and stopping it signals that group, then
-kills every process whose environment holds this Ray's mark. Every process of this Ray inherits
-it, also the workers, which rename themselves (``ray::WorkerDict``) and leave the group. Ray's
-agents (``ray::DashboardAgent``) write their new title over it, so a process titled ``ray::``
-that holds a file open under the folder (its logs) counts too.
+kills every process of this Ray. Those carry this Ray's mark in their environment, or descend
+from a process that does: the workers inherit the mark, rename themselves (``ray::WorkerDict``)
+and leave the group; Ray's agents (``ray::DashboardAgent``) write their new title over the mark,
+but are the raylet's children (and end themselves when it goes). A process that merely holds a
+file under the folder is never counted: it may be anyone's.
 ``RAY_AUTH_MODE=disabled`` and a HOME inside the folder keep Ray from writing a token under the
 user's ``~/.ray``; every port is one found free, so that two runs can share a machine. Ray's
-socket paths must fit in 107 bytes, so its temp dir is named by a short link in the system's
-temp dir; the files stay in the folder, and the link goes when Ray stops. The link's name comes
+socket paths must fit in 107 bytes, so its temp dir is named by a short link: in the system's
+temp dir, or in ``/tmp`` (where Ray's own ``/tmp/ray`` goes) where ``$TMPDIR`` is too long for
+them. The files stay in the folder, and the link goes when Ray stops. The link's name comes
 from the folder's path, so that whoever stops a Ray by its folder alone (a start cut short, or
 one a killed launcher left) finds its link too.
 """
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -30,6 +33,10 @@ RAY = str(Path(sys.executable).parent / "ray")
 MARK_ENV = "BAPO_RAY_FOLDER"  # the folder of the Ray a process belongs to
 PORTS = ["dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port"]
 PORTS += ["metrics-export-port", "ray-client-server-port", "runtime-env-agent-port"]
+# The longest path Ray gives a socket under its temp dir: its session, named by the start's time
+# and the head's PID (at most 7 digits), then the plasma store's socket. At most 107 bytes.
+RAY_SOCKET = "session_2000-01-01_00-00-00_000000_4194304/sockets/plasma_store"
+SOCKET_MAX = 107
 
 
 class RayHead(NamedTuple):
@@ -48,9 +55,20 @@ def free_port() -> int:
 
 
 def link_dir(folder: Path) -> Path:
-    """The directory in the system's temp dir that holds the short link to ``folder``'s Ray."""
-    digest = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"bapo-ray-{digest}"
+    """The directory that holds the short link to ``folder``'s Ray, where Ray's sockets fit.
+
+    In the system's temp dir, else in ``/tmp``; a RuntimeError says why where neither will do.
+    """
+    name = f"bapo-ray-{hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]}"
+    bases = [tempfile.gettempdir(), "/tmp"]
+    for base in bases:
+        link = Path(base) / name
+        if len(os.fsencode(link / "tmp" / RAY_SOCKET)) <= SOCKET_MAX and os.access(base, os.W_OK):
+            return link
+    raise RuntimeError(
+        f"Ray's socket paths under the temp dir {bases[0]} would exceed {SOCKET_MAX} bytes, "
+        "and /tmp is not writable: set TMPDIR to a shorter folder"
+    )
 
 
 def start_ray(folder: Path, gpus: int, worker_env: Dict[str, str], timeout_s=120) -> RayHead:
@@ -90,35 +108,34 @@ def start_ray(folder: Path, gpus: int, worker_env: Dict[str, str], timeout_s=120
 def ray_processes(folder: Path) -> List[int]:
     """The pids of live processes of the Ray under ``folder``, this one's aside.
 
-    By their environment's mark, or, for a process titled ``ray::...``, by a file it holds open
-    under ``folder`` (its logs): Ray's agents retitle themselves over the memory
-    ``/proc/<pid>/environ`` reads, mark included. Only those have their open files read.
+    Those whose environment holds the mark, and their descendants: Ray's agents retitle
+    themselves over the memory ``/proc/<pid>/environ`` reads, mark included. Zombies aside:
+    they are dead already, and only their parent's wait removes them.
     """
-    root = str(folder.resolve())
-    mark, found = f"\0{MARK_ENV}={root}\0".encode(), []
+    mark = f"\0{MARK_ENV}={folder.resolve()}\0".encode()
+    parents: Dict[int, int] = {}
+    marked, live = set(), []
     for entry in Path("/proc").iterdir():
-        try:
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
-                continue
-            if mark in b"\0" + (entry / "environ").read_bytes() or (
-                (entry / "cmdline").read_bytes().startswith(b"ray::")
-                and holds_files_in(entry, root)
-            ):
-                found.append(int(entry.name))
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:  # the stat line: "pid (title) state ppid ..."
+            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            parents[pid] = int(parent)
+            if state != "Z" and pid != os.getpid():
+                live.append(pid)
+            if mark in b"\0" + (entry / "environ").read_bytes():
+                marked.add(pid)
         except OSError:  # gone meanwhile, or not ours to read
             continue
-    return found
+    return [pid for pid in live if of_marked(pid, parents, marked)]
 
 
-def holds_files_in(process: Path, root: str) -> bool:
-    """Whether the process (its ``/proc`` entry) has a file open under the directory ``root``."""
-    for fd in (process / "fd").iterdir():
-        try:
-            if os.readlink(fd).startswith(root + os.sep):
-                return True
-        except OSError:  # closed meanwhile
-            continue
-    return False
+def of_marked(pid: int, parents: Dict[int, int], marked: set) -> bool:
+    """Whether ``pid`` or one of its ancestors (by ``parents``, pid to parent) is ``marked``."""
+    while pid in parents and pid not in marked:
+        pid = parents[pid]
+    return pid in marked
 
 
 def stop_ray(head: RayHead, grace_s: float = 2) -> None:
@@ -150,4 +167,5 @@ def kill_ray(folder: Path, timeout_s: float = 10) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(0.05)
-    shutil.rmtree(link_dir(folder), ignore_errors=True)  # the link alone: rmtree does not follow
+    with contextlib.suppress(RuntimeError):  # raised where no link could be made
+        shutil.rmtree(link_dir(folder), ignore_errors=True)  # the link: rmtree does not follow it

@@ -17,6 +17,7 @@ import json
 import math
 from pathlib import Path
 from typing import Any, Dict, NamedTuple, Optional
+from urllib.parse import quote
 
 import yaml
 
@@ -37,31 +38,20 @@ class Rollout(NamedTuple):
 VOCAB, PAD, EOS = 64, 0, 1
 PARITIES = ("even", "odd")  # a task's truth in mode: both
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # the words, as they are
-# Over the example, in either mode: 2 trainer ranks with what a CPU needs. verl reads
-# trainer_config's model and actor keys; Trinity takes use_remove_padding from trainer alone.
+# Over the example, in either mode: 2 trainer ranks with what a CPU needs (a run's paths, sizes
+# and BAPO's settings go over it as values: ``run_settings``). verl reads trainer_config's model
+# and actor keys; Trinity takes use_remove_padding from trainer alone.
 CPU_TRAINER = """\
 project: bapo-trinity-run
-name: {name}
-checkpoint_root_dir: {out}/checkpoints
 monitor:
   monitor_type: tensorboard
 algorithm:
-  repeat_times: {group}
   optimizer:
     lr: 1.0e-3
-  policy_loss_fn_args:
-    sync_across_dp: {sync}
-    search_scope: {scope}
-model:
-  model_path: {out}/model
 buffer:
   total_epochs: 1
-  batch_size: {groups}
-  train_batch_size: {batch}
 trainer:
   trainer_strategy: fsdp2
-  total_steps: {steps}
-  save_interval: {steps}
   max_token_len_per_gpu: 64
   use_remove_padding: false
   trainer_config:
@@ -77,7 +67,7 @@ trainer:
           reduce_dtype: fp32
           buffer_dtype: fp32
 """
-# mode: train, from the sqlite buffer that fill_buffer writes
+# mode: train, from the sqlite buffer that fill_buffer writes (its path: ``mode_settings``)
 FROM_BUFFER = """\
 mode: train
 model:
@@ -85,18 +75,17 @@ model:
   max_model_len: 16
 cluster:
   node_num: 1
-  gpu_per_node: {ranks}
 buffer:
   trainer_input:
     experience_buffer:
       name: bapo_buffer
       storage_type: sql
-      path: sqlite:///{out}/buffer.db
       max_read_timeout: 30
 """
 # mode: both: one vLLM engine on a GPU slot of its own explores the task set, the trainer reads
 # its rollouts from a queue, and the explorer reloads the trainer's checkpoint every
-# sync_interval steps while running sync_offset steps ahead: the trained rollouts are stale.
+# sync_interval steps while running sync_offset steps ahead: the trained rollouts are stale
+# (the task set's path and the sync settings: ``mode_settings``).
 WITH_EXPLORER = """\
 mode: both
 model:
@@ -104,12 +93,10 @@ model:
   max_model_len: 32
 cluster:
   node_num: 1
-  gpu_per_node: {gpus}
 buffer:
   explorer_input:
     taskset:
       name: parity
-      path: {out}/tasks
       subset_name: null
     eval_tasksets: []
     default_workflow_type: simple_workflow
@@ -123,8 +110,6 @@ explorer:
     engine_num: 1
 synchronizer:
   sync_method: checkpoint
-  sync_interval: {interval}
-  sync_offset: {offset}
   sync_timeout: 300
 """
 
@@ -235,22 +220,51 @@ def write_config(
     """The example config with ``CPU_TRAINER`` written over it, then a mode's settings.
 
     ``FROM_BUFFER`` with the example's rollout sections dropped, or, given a ``rollout``,
-    ``WITH_EXPLORER`` with its sync_interval and sync_offset.
+    ``WITH_EXPLORER``. A run's own values (paths among them) go in as YAML values, never into
+    YAML text, where a path's ``" #"`` would start a comment and its ``": "`` a mapping.
     """
     config = yaml.safe_load(EXAMPLE.read_text())
-    sizes = dict(ranks=RANKS, group=GROUP, groups=GROUPS_PER_STEP, batch=GROUP * GROUPS_PER_STEP)
-    settings = dict(out=out, steps=steps, sync=str(sync).lower(), scope=scope, name=run_name(sync))
     if rollout is None:
         for section in ("explorer", "synchronizer", "buffer", "model"):
             del config[section]
-        mode = FROM_BUFFER.format(**sizes, **settings)
-    else:
-        mode = WITH_EXPLORER.format(out=out, gpus=RANKS + 1, **rollout._asdict())
-    for over in (CPU_TRAINER.format(**sizes, **settings), mode):
-        config = merged(config, yaml.safe_load(over))
+    mode = yaml.safe_load(FROM_BUFFER if rollout is None else WITH_EXPLORER)
+    gpus = RANKS + (rollout is not None)
+    run = run_settings(out, steps, sync, scope, gpus)
+    for over in (yaml.safe_load(CPU_TRAINER), mode, run, mode_settings(out, rollout)):
+        config = merged(config, over)
     path = out / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+def run_settings(out: Path, steps: int, sync: bool, scope: str, gpus: int) -> dict:
+    """A run's own settings in either mode: its paths, sizes, length and BAPO's arguments."""
+    return {
+        "name": run_name(sync),
+        "checkpoint_root_dir": str(out / "checkpoints"),
+        "algorithm": {
+            "repeat_times": GROUP,
+            "policy_loss_fn_args": {"sync_across_dp": sync, "search_scope": scope},
+        },
+        "model": {"model_path": str(out / "model")},
+        "cluster": {"gpu_per_node": gpus},
+        "buffer": {"batch_size": GROUPS_PER_STEP, "train_batch_size": GROUP * GROUPS_PER_STEP},
+        "trainer": {"total_steps": steps, "save_interval": steps},
+    }
+
+
+def mode_settings(out: Path, rollout: Optional[Rollout]) -> dict:
+    """A mode's own settings: the buffer's sqlite URL, or the task set and the synchronizer's.
+
+    The URL's path is %-escaped, as SQLAlchemy reads it: a ``"?"`` in it would start the query.
+    """
+    if rollout is None:
+        url = "sqlite:///" + quote(str(out / "buffer.db"))
+        return {"buffer": {"trainer_input": {"experience_buffer": {"path": url}}}}
+    return {
+        "buffer": {"explorer_input": {"taskset": {"path": str(out / "tasks")}}},
+        "synchronizer": {"sync_interval": rollout.interval, "sync_offset": rollout.offset},
+    }
 
 
 def merged(base: dict, over: dict) -> dict:
