@@ -7,9 +7,11 @@
   released ``losses.py``, which drops the group) and ``muted`` (BAPO's all-reduce a no-op): the
   controls must disagree. With ``grads`` (FSDP2 only), the gradient the engine hands its
   optimizer is compared with one process's oracle gradient (``grad_oracle``). The phases of
-  ``UPDATE_PHASES`` train with ``search_scope: update`` through Trinity's train_batch hook.
+  ``UPDATE_PHASES`` train with ``search_scope: update`` through the actor worker's own method
+  around each optimizer update, as ``set_trinity_config`` routes the actor's ``train_batch``.
 - ``worker`` (options ``config_true``, ``config_false``, ``config_update``): a Trinity trainer
-  rank minus Ray, from each YAML to one ``update_actor`` on this rank's share of a batch.
+  rank minus Ray, from each YAML to one ``update_actor`` on this rank's share of a batch; after
+  the ``update`` run the same worker is set PPO and updates once more.
 """
 
 import importlib.util
@@ -24,13 +26,7 @@ from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 
 from scripts.harness.cpu import cpu_stand_ins
-from scripts.harness.engine import (
-    build_engine,
-    engine_batch,
-    full_state_dict,
-    trinity_layout,
-    worker_loss,
-)
+from scripts.harness.engine import build_engine, engine_batch, full_state_dict, trinity_layout
 from scripts.harness.model import build_model, position_ids_for, save_model
 from scripts.harness.recorder import LossRecorder
 from scripts.harness.tasks import VOCAB_SIZE
@@ -178,11 +174,41 @@ def run_phase(engine, phase: str, options: dict, dp_rank: int, grads_on=False) -
     return record
 
 
+class EngineActor:
+    """verl's TrainingWorker as far as Trinity's worker uses it: the engine and the loss set.
+
+    ``train_batch`` is one optimizer update, the call TrainingWorker makes on its engine.
+    """
+
+    def __init__(self, engine):
+        """The engine, its config (micro-batch settings), and no loss yet."""
+        self.engine, self.engine_config, self.loss_fn = engine, engine.engine_config, None
+
+    def set_loss_fn(self, loss_fn):
+        """As TrainingWorker.set_loss_fn."""
+        self.loss_fn = loss_fn
+
+    def train_batch(self, data):
+        """As TrainingWorker.train_batch, less its metrics' post-processing."""
+        return self.engine.train_batch(data, loss_function=self.loss_fn)
+
+
+def worker_actor(engine, algo_config):
+    """The actor of Trinity's worker after ``set_trinity_config`` (no Ray: the method alone)."""
+    from trinity.trainer.verl.workers import TrinityActorRolloutRefWorker
+
+    worker = object.__new__(TrinityActorRolloutRefWorker)
+    worker.actor = EngineActor(engine)
+    worker.set_trinity_config(algo_config, "vllm", "engine-checks")
+    return worker.actor
+
+
 def run_update_phase(engine, phase: str, dp_rank: int, grads_on: bool) -> dict:
-    """Train ``STEPS`` updates with ``search_scope: update``, the engine wired as the worker is."""
+    """Train ``STEPS`` updates with ``search_scope: update``, through the worker's method."""
     name, size, extra = UPDATE_PHASES[phase]
     kwargs = loss_kwargs(name, search_scope="update", **extra)
-    loss = worker_loss(engine, loss_config("bapo", kwargs))
+    actor = worker_actor(engine, loss_config("bapo", kwargs))
+    loss = actor.loss_fn
     recorder = LossRecorder(loss, engine.get_data_parallel_group(), keep_inputs=True)
     grads, states, outcomes = list[dict](), list[dict](), list[dict]()
     check_grads = grads_on and size > 0
@@ -196,10 +222,9 @@ def run_update_phase(engine, phase: str, dp_rank: int, grads_on: bool) -> dict:
         if check_grads:
             states.append(full_state_dict(engine))
         with engine.train_mode():
-            outcomes.append(outcome(lambda: engine.train_batch(data, loss_function=loss) and None))
+            outcomes.append(outcome(lambda: actor.train_batch(data) and None))
         outcomes[-1]["calls"] = len(recorder.calls) - sum(o["calls"] for o in outcomes[:-1])
-    for attribute in ("optimizer_step", "train_batch"):
-        engine.__dict__.pop(attribute, None)  # the class's methods again
+    engine.__dict__.pop("optimizer_step", None)  # the class's method again
     record: dict = {"config": name, "calls": recorder.calls, "outcomes": outcomes}
     record["pass_calls"] = len(recorder.pass_calls)
     if check_grads:
@@ -374,7 +399,11 @@ def run_worker(rank: int, path: str) -> dict:
     metrics = worker.update_actor(data).get_non_tensor("metrics")
     for call in recorder.calls:
         call["data"] = {key: value.tolist() for key, value in call.pop("inputs").items()}
+    after = None
+    if (config.algorithm.policy_loss_fn_args or {}).get("search_scope") == "update":
+        after = outcome(lambda: ppo_after_bapo(worker, trainer_batch(rank, config)))
     return {
+        "ppo_after": after,
         "engine_group": dist.get_process_group_ranks(worker.actor.engine.get_data_parallel_group()),
         "loss_class": type(loss).__name__,
         "sync_across_dp": recorder.sync_across_dp,
@@ -383,6 +412,12 @@ def run_worker(rank: int, path: str) -> dict:
         "own_micro_batches": own_count,
         "metrics": {k: v for k, v in metrics.items() if "bapo" in k or k.startswith("pg_")},
     }
+
+
+def ppo_after_bapo(worker, data) -> List[str]:
+    """PPO set on the worker that trained BAPO per update, and one update: its metric names."""
+    worker.set_trinity_config(loss_config("ppo", {"clip_range": 0.2}), "vllm", "")
+    return sorted(worker.update_actor(data).get_non_tensor("metrics"))
 
 
 CHECKS = {

@@ -8,6 +8,7 @@ import inspect
 from pathlib import Path
 
 import pytest
+import transformers
 import yaml
 
 from trinity.algorithm import ALGORITHM_TYPE, POLICY_LOSS_FN
@@ -262,6 +263,7 @@ def test_update_scope_reaches_the_loss_and_is_refused_under_the_legacy_actors(
 ):
     """The legacy actors (verl < 0.8) run no pass over an optimizer update's data."""
     monkeypatch.setattr("trinity.trainer.trainer.is_verl_legacy", lambda: legacy)
+    monkeypatch.setenv("TRINITY_MODEL_PATH", tiny_model(job_dirs / "model"))
     example = written(MAIN)
     example["algorithm"]["policy_loss_fn_args"] = {"search_scope": "update"}
     (job_dirs / "config.yaml").write_text(yaml.safe_dump(example))
@@ -270,6 +272,37 @@ def test_update_scope_reaches_the_loss_and_is_refused_under_the_legacy_actors(
             load_and_validate(job_dirs / "config.yaml")
     else:
         assert built_loss(load_and_validate(job_dirs / "config.yaml")).per_update is True
+
+
+def tiny_model(folder: Path, attention_dropout=0.0) -> str:
+    """A tiny Llama's config.json, all that validation reads of a model (no weights, no hub)."""
+    config = transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    config.vocab_size, config.attention_dropout = 32, attention_dropout
+    config.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "dropout, scope, refused",
+    [(0.1, "update", True), (0.0, "update", False), (0.1, "micro_batch", False)],
+)
+def test_a_models_own_dropout_refuses_update_scope_at_validation(
+    job_dirs, monkeypatch, dropout, scope, refused
+):
+    """The model's config.json sets attention_dropout: the pass would draw other masks."""
+    monkeypatch.setenv("TRINITY_MODEL_PATH", tiny_model(job_dirs / "model", dropout))
+    example = written(MAIN)
+    example["algorithm"]["policy_loss_fn_args"] = {"search_scope": scope}
+    (job_dirs / "config.yaml").write_text(yaml.safe_dump(example))
+    if refused:
+        with pytest.raises(ValueError, match="config.json .* sets `attention_dropout: 0.1`"):
+            load_and_validate(job_dirs / "config.yaml")
+    else:
+        assert built_loss(load_and_validate(job_dirs / "config.yaml")).per_update is (
+            scope == "update"
+        )
 
 
 def test_misspelt_argument_fails_at_config_validation(job_dirs):

@@ -11,8 +11,8 @@ engine must raise the other's count to match. The gradient the engine hands its 
 FSDP's reduction, must equal one process's gradient at the union's pairs (``grad_oracle`` in
 ``tests/engine_checks.py`` states verl's scaling). With ``search_scope: update``, every call of
 an update must take the oracle's pair on the whole update's data, whatever the micro-batch split,
-and a rank failing in the pass must make every rank raise. Two launches: 2 ranks, and 4 for
-Ulysses.
+and a rank failing in the pass must make every rank raise; PPO set on the same worker after it
+must train. Two launches: 2 ranks, and 4 for Ulysses.
 """
 
 import shutil
@@ -357,3 +357,11 @@ def test_worker_update_scope_takes_the_update_pair_at_every_call(engine):
     problems = update_problems(calls, [len(calls[0])], "paper_upper")
     assert not problems, "\n".join(problems)
     assert any(chosen(c["metrics"])[:2] != PAPER_START for c in calls[0]), "the search never moved"
+
+
+def test_worker_trains_ppo_set_after_bapo_per_update(engine):
+    """The same worker, set PPO after BAPO with ``search_scope: update``: PPO's update trains."""
+    for run in (record["update"] for record in engine("worker")):
+        names = run["ppo_after"].get("result")
+        assert names and "actor/pg_loss" in names, run["ppo_after"]
+        assert not [name for name in names if "bapo" in name], names

@@ -448,20 +448,41 @@ def test_examples_reach_the_loss_with_the_algorithm_mode(base, written, tmp_path
     assert all(modes == [key.split("/")[1]] * 2 for key, modes in found.items()), found
 
 
-# What the fourth pull request's claim rests on, undone in its patched tree: (file, text, instead)
+# What the fourth pull request's claims rest on, undone in its patched tree: (file, text, instead,
+# a test of the pull request's own that must then fail)
 WORKERS = "trinity/trainer/verl/workers.py"
+EVERY_CALL = "test_every_call_of_the_update_takes_the_pair_of_its_union"
 UPDATE_BREAKAGES = {
-    "the_worker_does_not_wire_the_hook": (
+    "the_worker_does_not_route_the_updates": (
         WORKERS,
-        "engine.train_batch = partial(self.train_batch_in_update, engine)",
+        "self.actor.train_batch = self.train_batch_in_update",
         "pass",
+        EVERY_CALL,
     ),
     "the_hook_hands_over_no_pass": (
         WORKERS,
-        "policy_loss_fn.optimizer_update(data, run_pass)",
-        "policy_loss_fn.optimizer_update(data, lambda: None)",
+        "optimizer_update(data, partial(self._update_pass, data))",
+        "optimizer_update(data, lambda: None)",
+        EVERY_CALL,
     ),
-    "bapo_does_not_call_the_pass": (MODULE, "            run_pass()\n", "            pass\n"),
+    "bapo_does_not_call_the_pass": (
+        MODULE,
+        "            run_pass()\n",
+        "            pass\n",
+        EVERY_CALL,
+    ),
+    "bapo_keeps_the_pair_after_the_update": (
+        MODULE,
+        "            self._pass = self._fixed = None\n",
+        "            self._pass = None\n",
+        "test_the_pair_is_released_after_the_update",
+    ),
+    "micro_batch_runs_the_pass": (
+        MODULE,
+        "        if not self.per_update:\n            yield\n",
+        "        if not self.per_update:\n            run_pass()\n            yield\n",
+        "test_micro_batch_runs_no_pass",
+    ),
 }
 
 
@@ -469,13 +490,16 @@ UPDATE_BREAKAGES = {
 def test_update_scope_tests_fail_when_the_hook_is_undone(
     breakage, written, tmp_path_factory
 ) -> None:
-    """Undo the worker's wiring, the pass it hands over or BAPO's call of it: the test fails."""
+    """Undo a claim the fourth rests on: the test of that claim fails.
+
+    The worker's routing, the pass it hands over, BAPO's call of it, the pair's release after the
+    update, and micro_batch's running no pass.
+    """
     tree = patched_tree("bapo-update-scope", written, tmp_path_factory)
-    rel, old, new = UPDATE_BREAKAGES[breakage]
+    rel, old, new, test = UPDATE_BREAKAGES[breakage]
     text = (tree / rel).read_text()
     assert text.count(old) == 1
     (tree / rel).write_text(text.replace(old, new))
-    test = "test_every_call_of_the_update_takes_the_pair_of_its_union"
     done = pytest_in(tree, [UPDATE_TEST], (), "-k", test)
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.M)
     assert done.returncode == 1 and any(test in name for name in failed), done.stdout[-3000:]

@@ -3,11 +3,13 @@
 
 Two gloo ranks started by the test run verl's `BaseEngine.train_batch` and `infer_batch` as they
 are, on an engine whose forward hands each micro-batch's ready log-probs to TrinityPolicyLoss, as
-verl's FSDP engine does after its model. The actor worker's `set_trinity_config` gets that engine
-and builds the loss, and each update is the call verl's TrainingWorker makes. Then every training
+verl's FSDP engine does after its model. The actor worker's `set_trinity_config` sets the loss on
+its actor, and each update is the call verl's TrainingWorker makes on it. Then every training
 call of an update takes the pair one process chooses on the union of both ranks' micro-batches,
-after exactly one all-reduce; without the worker BAPO refuses to guess. The trainer validator
-refuses `update` where the pass would differ.
+after exactly one all-reduce, and the pair is released after the update; under `micro_batch` no
+pass runs; without the worker BAPO refuses to guess. The worker leaves the engine alone, so a
+loss set later trains as if BAPO had never been set. The trainer validator refuses `update`
+where the pass would differ, the model's own config.json included.
 """
 
 import json
@@ -16,11 +18,13 @@ import time
 import unittest
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import transformers
 
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 from trinity.common.config import AlgorithmConfig, Config
@@ -70,16 +74,19 @@ class LogProbEngine(BaseEngine):
     does; ``train_batch`` and ``infer_batch`` (no grad) are verl's own.
     """
 
-    def __init__(self, rows, group):
-        """Micro-batches of ``rows`` rows; ``group``: the data-parallel group the loss gets."""
+    def __init__(self, rows, group, module=None):
+        """Micro-batches of ``rows`` rows; ``group``: the data-parallel group the loss gets.
+
+        ``module``: the model the worker inspects before a pass (none by default).
+        """
         self.rows, self.group = rows, group
+        self.module = module or torch.nn.Identity()
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         """Each micro-batch through the loss, back-propagated unless ``forward_only``."""
         calls = []
-        for start in range(0, len(data["logprob"]), self.rows):
-            micro = {key: value[start : start + self.rows] for key, value in data.items()}
-            output, fields = trinity_layout(micro)
+        for start in range(0, len(data), self.rows):
+            output, fields = trinity_layout(data[start : start + self.rows])
             loss, metrics = loss_function(output, fields, dp_group=self.group)
             if not forward_only:
                 loss.backward()
@@ -102,8 +109,15 @@ class Actor:
     """verl's TrainingWorker as Trinity's worker holds it: an engine, and the loss it is set."""
 
     def __init__(self, engine):
-        """No loss until the worker sets one."""
+        """No loss until the worker sets one; verl's engine config of micro-batch settings."""
         self.engine, self.loss_fn = engine, None
+        self.engine_config = SimpleNamespace(
+            use_remove_padding=False,
+            use_dynamic_bsz=False,
+            max_token_len_per_gpu=None,
+            micro_batch_size_per_gpu=engine.rows,
+            use_fused_kernels=False,
+        )
 
     def set_loss_fn(self, loss_fn):
         """As TrainingWorker.set_loss_fn."""
@@ -114,12 +128,16 @@ class Actor:
         return self.engine.train_batch(data, loss_function=self.loss_fn)
 
 
-def configured_actor(engine, args, policy_loss_fn="bapo"):
-    """The actor after the worker's ``set_trinity_config`` (no Ray, no model: the method alone)."""
-    worker = object.__new__(TrinityActorRolloutRefWorker)
-    worker.actor = Actor(engine)
+def configured_actor(engine, args, policy_loss_fn="bapo", worker=None):
+    """The actor after the worker's ``set_trinity_config`` (no Ray, no model: the method alone).
+
+    ``worker``: one configured before, whose actor gets the new loss.
+    """
+    if worker is None:
+        worker = object.__new__(TrinityActorRolloutRefWorker)
+        worker.actor = Actor(engine)
     worker.set_trinity_config(algorithm_config(args, policy_loss_fn), "vllm", "test")
-    return worker.actor
+    return worker
 
 
 def trinity_layout(batch):
@@ -163,21 +181,54 @@ def single_process_pair(args, batches):
     return chosen(BAPOPolicyLossFn(**args)(**union)[1])
 
 
+def as_data(batch):
+    """A rank's batch as the TensorDict verl's engine gets, the log-probs requiring grad."""
+    rows = len(batch["logprob"])
+    fields = {key: value.clone().requires_grad_(key == "logprob") for key, value in batch.items()}
+    return TensorDict(fields, batch_size=[rows])
+
+
+def raised(call):
+    """What ``call()`` raises, as text; None if it returns."""
+    try:
+        call()
+    except Exception as error:  # what this rank raises
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def per_call_pairs(batches):
+    """The pair of each training call k, decided on the ranks' micro-batches k together."""
+    rows = [SHAPES[rank][2] for rank in range(WORLD)]
+    return [
+        single_process_pair(
+            ARGS,
+            [
+                {key: value[k * size : (k + 1) * size] for key, value in batch.items()}
+                for batch, size in zip(batches, rows)
+            ],
+        )
+        for k in range(2)
+    ]
+
+
 def update(rank, args, batch, worker=True):
     """One optimizer update on this rank: each call's pair and the all-reduces made.
 
     ``worker``: the engine and loss as the worker sets them; else the loss alone, unwrapped.
+    ``after``: what a call of the loss outside any update raises, after it.
     """
     engine = LogProbEngine(SHAPES[rank][2], dist.group.WORLD)
-    actor = configured_actor(engine, args) if worker else Actor(engine)
+    actor = configured_actor(engine, args).actor if worker else Actor(engine)
     actor.loss_fn = actor.loss_fn or TrinityPolicyLoss(algorithm_config(args))
-    batch = {key: value.clone().requires_grad_(key == "logprob") for key, value in batch.items()}
+    out: dict = {}
     with mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as all_reduce:
-        try:
-            calls = actor.train_batch(batch)["metrics"]["calls"]
-        except Exception as error:  # what this rank raises in this update
-            return {"raised": f"{type(error).__name__}: {error}"}
-    return {"pairs": [chosen(call) for call in calls], "all_reduces": all_reduce.call_count}
+        error = raised(lambda: out.update(actor.train_batch(as_data(batch))["metrics"]))
+    if error:
+        return {"raised": error}
+    pairs = [chosen(call) for call in out["calls"]]
+    after = raised(lambda: engine.infer_batch(as_data(batch), loss_function=actor.loss_fn))
+    return {"pairs": pairs, "all_reduces": all_reduce.call_count, "after": after}
 
 
 def run_rank(rank, store):
@@ -193,6 +244,7 @@ def run_rank(rank, store):
     batch = rank_batch(rank)
     record = {
         "update": update(rank, ARGS, batch),
+        "micro_batch": update(rank, {"search_scope": "micro_batch"}, batch),
         "authors": update(rank, {**ARGS, "search_order": "lower_first"}, batch),
         "alone": update(rank, {**ARGS, "sync_across_dp": False}, batch),
         "unhooked": update(rank, ARGS, batch, worker=False),
@@ -201,10 +253,21 @@ def run_rank(rank, store):
     dist.destroy_process_group()
 
 
-def offline_config(args, strategy="fsdp2", **verl):
+def tiny_model(folder, **settings):
+    """A tiny Llama's config.json in ``folder`` (all the validators read), with ``settings``."""
+    config = transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    config.vocab_size = 32
+    config.update(settings)
+    config.save_pretrained(folder)
+    return str(folder)
+
+
+def offline_config(model_path, args, strategy="fsdp2", **verl):
     """A config that the validators pass offline: BAPO with ``args``, ``verl`` in trainer_config."""
     config = Config()
-    config.model.model_path, config.model.max_model_len = "tiny-model", 64
+    config.model.model_path, config.model.max_model_len = model_path, 64
     config.cluster.node_num, config.cluster.gpu_per_node = 1, 2  # no Ray cluster is asked
     config.algorithm.algorithm_type = "bapo"
     config.algorithm.policy_loss_fn_args = dict(args)
@@ -229,19 +292,40 @@ class BAPOUpdateScopeConfigTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "`search_scope` must be micro_batch or update"):
             BAPOPolicyLossFn(search_scope="step")
 
+    def setUp(self):
+        """A tiny model without dropout, and one whose config.json sets attention dropout."""
+        folder = tempfile.TemporaryDirectory()
+        self.addCleanup(folder.cleanup)
+        self.plain = tiny_model(Path(folder.name) / "plain", attention_dropout=0.0)
+        self.dropout = tiny_model(Path(folder.name) / "dropout", attention_dropout=0.1)
+
     def test_the_validator_refuses_update_where_the_pass_would_differ(self):
         """Each refusal names its setting; the default config and zero settings pass."""
-        validate(offline_config(ARGS))
-        validate(offline_config(ARGS, model={"override_config": {"attention_dropout": 0.0}}))
+        plain, override = self.plain, {"override_config": {"attention_dropout": 0.0}}
+        validate(offline_config(plain, ARGS))
+        validate(offline_config(plain, ARGS, model=override))
+        validate(offline_config(self.dropout, ARGS, model=override))  # the override holds
+        validate(offline_config(self.dropout, {"search_scope": "micro_batch"}))
         refused = [  # (the config's setting, what the message names)
-            (offline_config(ARGS, strategy="megatron"), "trainer.trainer_strategy: megatron"),
+            (offline_config(plain, ARGS, "megatron"), "trainer.trainer_strategy: megatron"),
+            (offline_config(self.dropout, ARGS), f"config.json of `{self.dropout}` sets "),
+            (offline_config(self.dropout, ARGS), "`attention_dropout: 0.1`"),
             (
-                offline_config(ARGS, model={"override_config": {"attention_dropout": 0.1}}),
+                offline_config(plain, ARGS, model={"override_config": {"attention_dropout": 0.1}}),
                 "model.override_config.attention_dropout: 0.1",
             ),
-            (offline_config(ARGS, model={"override_config": {"hidden_dropout": "0.1"}}), "0.1"),
-            (offline_config(ARGS, model={"override_config": {"layerdrop": 0.2}}), "layerdrop"),
-            (offline_config(ARGS, actor={"router_replay": {"mode": "R2"}}), "router_replay.mode"),
+            (
+                offline_config(plain, ARGS, model={"override_config": {"hidden_dropout": "0.1"}}),
+                "0.1",
+            ),
+            (
+                offline_config(plain, ARGS, model={"override_config": {"layerdrop": 0.2}}),
+                "layerdrop",
+            ),
+            (
+                offline_config(plain, ARGS, actor={"router_replay": {"mode": "R2"}}),
+                "router_replay.mode",
+            ),
         ]
         for config, named in refused:
             with self.assertRaisesRegex(ValueError, "search_scope: update") as raised:
@@ -249,16 +333,35 @@ class BAPOUpdateScopeConfigTest(unittest.TestCase):
             self.assertIn(named, str(raised.exception))
         legacy = mock.patch("trinity.trainer.trainer.is_verl_legacy", return_value=True)
         with legacy, self.assertRaisesRegex(ValueError, "search_scope: update.*legacy actors"):
-            validate(offline_config(ARGS))
+            validate(offline_config(plain, ARGS))
 
-    @unittest.skipUnless(ENGINE, "needs verl >= 0.8, whose engine the worker wraps")
-    def test_the_worker_wraps_the_updates_of_bapo_only(self):
-        """A loss without ``optimizer_update`` keeps verl's train_batch; BAPO's is wrapped."""
-        engine = LogProbEngine(1, None)
-        configured_actor(engine, {"clip_range": 0.2}, policy_loss_fn="ppo")
-        self.assertNotIn("train_batch", vars(engine))
-        configured_actor(engine, {"search_scope": "micro_batch"})
-        self.assertIn("train_batch", vars(engine))
+    @unittest.skipUnless(ENGINE, "needs verl >= 0.8, whose engine the worker runs")
+    def test_a_loss_set_after_bapo_trains_as_if_bapo_had_never_been_set(self):
+        """BAPO per update, then PPO, on one worker: PPO trains; the engine is never changed."""
+        engine = LogProbEngine(2, None)
+        worker = configured_actor(engine, ARGS)
+        self.assertIn(
+            "bapo_clip_low", worker.actor.train_batch(as_data(rank_batch(0)))["metrics"]["calls"][0]
+        )
+        configured_actor(engine, {"clip_range": 0.2}, policy_loss_fn="ppo", worker=worker)
+        calls = worker.actor.train_batch(as_data(rank_batch(0)))["metrics"]["calls"]
+        self.assertEqual(len(calls), 2)
+        self.assertTrue(all("pg_loss" in call and "bapo_clip_low" not in call for call in calls))
+        self.assertEqual(sorted(vars(engine)), ["group", "module", "rows"])  # as built
+
+    @unittest.skipUnless(ENGINE, "needs verl >= 0.8, whose engine the worker runs")
+    def test_the_worker_refuses_a_pass_through_a_dropout_module(self):
+        """The built model's modules: dropout above 0 refused, named; 0, or micro_batch, trains."""
+        dropout = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))
+        worker = configured_actor(LogProbEngine(2, None, dropout), ARGS)
+        with self.assertRaisesRegex(ValueError, r"`1` \(Dropout\(p=0.1"):
+            worker.actor.train_batch(as_data(rank_batch(0)))
+        worker = configured_actor(LogProbEngine(2, None, dropout), {"search_scope": "micro_batch"})
+        worker.actor.train_batch(as_data(rank_batch(0)))
+        off = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0))
+        configured_actor(LogProbEngine(2, None, off), ARGS).actor.train_batch(
+            as_data(rank_batch(0))
+        )
 
 
 @unittest.skipUnless(ENGINE, "needs verl >= 0.8, whose engine the worker wraps")
@@ -302,17 +405,19 @@ class BAPOUpdateScopeTest(unittest.TestCase):
     def test_deciding_at_each_call_would_leave_the_update_pair(self):
         """The data can tell: some call's tokens over both ranks choose another pair."""
         union = single_process_pair(ARGS, self.batches)
-        per_call = [
-            single_process_pair(
-                ARGS,
-                [
-                    {key: value[k * rows : (k + 1) * rows] for key, value in batch.items()}
-                    for batch, rows in zip(self.batches, (SHAPES[0][2], SHAPES[1][2]))
-                ],
-            )
-            for k in range(2)
-        ]
-        self.assertNotEqual(per_call, [union] * 2)
+        self.assertNotEqual(per_call_pairs(self.batches), [union] * 2)
+
+    def test_the_pair_is_released_after_the_update(self):
+        """A call outside any update finds no pair: it raises, rather than reuse the last one."""
+        for record in self.ranks:
+            self.assertRegex(record["update"]["after"], "^RuntimeError: BAPO: .*pass")
+
+    def test_micro_batch_runs_no_pass(self):
+        """Each training call decides on its own micro-batches over both ranks: one all-reduce."""
+        per_call = per_call_pairs(self.batches)
+        for record in self.ranks:
+            self.assertEqual(record["micro_batch"]["pairs"], per_call)
+            self.assertEqual(record["micro_batch"]["all_reduces"], 2)
 
     def test_without_the_worker_bapo_raises_on_every_rank(self):
         """No pass ran: BAPO refuses to decide per call in its place."""

@@ -2,15 +2,17 @@
 """Test that the algorithm validator settles the policy loss's arguments and builds the loss.
 
 A loss_agg_mode written at the algorithm level or only among the loss arguments is the one both
-the policy loss and the trainer use; an unwritten one stays as trinity-rft 0.6.0 left it. Every
-registered policy loss is then built from those arguments: an unknown key, or a value its
-constructor refuses, fails at validation with a ValueError naming it.
+the policy loss and the trainer use, and two different ones are refused; an unwritten one stays
+as trinity-rft 0.6.0 left it. Every registered policy loss is then built from those arguments,
+with the backend of the trainer that will train it: an unknown key, or a value its constructor
+refuses, fails at validation with a ValueError naming it.
 """
 
 import unittest
 from unittest import mock
 
 from trinity.algorithm import POLICY_LOSS_FN
+from trinity.algorithm.policy_loss_fn.ppo_policy_loss import PPOPolicyLossFn
 from trinity.common.config import Config, ExperienceBufferConfig
 from trinity.common.config_validator import AlgorithmConfigValidator
 
@@ -18,9 +20,14 @@ MODE = "seq-mean-token-sum"  # no preset or loss defaults to it
 LOSSES = sorted(set(POLICY_LOSS_FN._default_mapping) | set(POLICY_LOSS_FN.modules))
 
 
-def validated(preset="grpo", loss_agg_mode=None, loss_args=None, policy_loss_fn=None):
-    """Run the algorithm validator on a config with only these algorithm fields written."""
+def validated(preset="grpo", loss_agg_mode=None, loss_args=None, policy_loss_fn=None, **trainer):
+    """Run the algorithm validator on a config with only these algorithm fields written.
+
+    ``trainer``: ``tinker`` (``model.tinker.enable``) or ``trainer_type``, the trainer's choice.
+    """
     config = Config()
+    config.model.tinker.enable = trainer.get("tinker", False)
+    config.trainer.trainer_type = trainer.get("trainer_type", "verl")
     config.mode = "train"  # SFT and DPO validate only in train mode, with an experience buffer
     config.buffer.trainer_input.experience_buffer = ExperienceBufferConfig(
         name="experience", path="experience.jsonl"
@@ -49,6 +56,16 @@ class PolicyLossArgsConfigTest(unittest.TestCase):
         lines = [call.args[0] for call in get_logger.return_value.warning.mock_calls]
         self.assertEqual(len([line for line in lines if MODE in line]), 1, lines)
 
+    def test_two_different_modes_written_are_refused_naming_both(self):
+        """0.6.0 let the algorithm's win without a word; the same mode twice is no conflict."""
+        both = dict(
+            loss_agg_mode="token-mean", loss_args={"clip_range": 0.2, "loss_agg_mode": MODE}
+        )
+        with self.assertRaisesRegex(ValueError, f"is token-mean but .*loss_agg_mode` is {MODE}"):
+            validated(**both)
+        same = validated(loss_agg_mode=MODE, loss_args={"clip_range": 0.2, "loss_agg_mode": MODE})
+        self.assertEqual(same.algorithm.policy_loss_fn_args["loss_agg_mode"], MODE)
+
     def test_an_unwritten_mode_stays_as_released(self):
         """GSPO: token-mean with no loss arguments, its constructor's default with some."""
         args = validated("gspo").algorithm.policy_loss_fn_args
@@ -65,6 +82,17 @@ class PolicyLossArgsConfigTest(unittest.TestCase):
                     validated(policy_loss_fn=name, loss_args=args)
                 for known in POLICY_LOSS_FN.get(name).default_args():
                     self.assertIn(f"`{known}`", str(raised.exception))
+
+    def test_the_loss_is_built_with_the_backend_of_the_trainer_that_trains(self):
+        """Tinker, enabled or named as the trainer, builds it with `tinker`; verl with `verl`."""
+        init = PPOPolicyLossFn.__init__
+        cases = [({"tinker": True}, "tinker"), ({"trainer_type": "tinker"}, "tinker"), ({}, "verl")]
+        for trainer, backend in cases:
+            with mock.patch.object(
+                PPOPolicyLossFn, "__init__", autospec=True, side_effect=init
+            ) as built:
+                validated(loss_args={"clip_range": 0.2}, **trainer)
+            self.assertEqual(built.call_args.kwargs["backend"], backend, trainer)
 
     def test_a_value_the_constructor_refuses_fails_at_validation(self):
         """PPO asserts its dual clip; the ValueError carries the constructor's message."""
