@@ -2,18 +2,21 @@
 """Apply, revert and show (status) this repo's changes to an installed trinity-rft.
 
 patches/series is applied by ``git apply`` to copies that move into place together. A file is
-released if its sha256 is RECORD's, patched if reverse-applying the series gives those bytes,
-outdated if reverse-applying a series of an earlier commit (read from git history) gives them:
-``apply`` moves it to this series, ``revert`` to the release. Anything else is refused, by
-name. Each file is patched or reverted on its own, so a run killed
-between two renames leaves a mix that the next run completes. Our ``trinity/*.py`` are copied in
-(hashes in trinity/.bapo-installed.json); a copy edited in place or a file not ours is never
-overwritten or removed. Temporary files (``.NAME.PID.tmp``) left by a killed run are removed.
+released if its sha256 is RECORD's (an editable install's RECORD lists no package file: then
+RELEASED's), patched if reverse-applying the series gives those bytes, outdated if
+reverse-applying a series of an earlier commit (read from git history) gives them: ``apply``
+moves it to this series, ``revert`` to the release. A file that no series known here explains
+but whose bytes an ``apply`` recorded is newer (a newer checkout's output). Anything else is
+refused, by name. Each file is patched or reverted on its own, so a run stopped between two
+renames leaves a mix that the next run completes. Our ``trinity/*.py`` are copied in (hashes in
+trinity/.bapo-installed.json); a copy edited in place or a file not ours is never overwritten or
+removed. Temporary files (``.NAME.PID.tmp``) left by a killed run are removed.
 
 A file at one of our module paths is ours when that record lists it or, failing that, when pip's
 RECORD does not and its bytes are the repo's module (``apply`` records it, ``revert`` removes it).
 Other files pip did not install are left alone; ``status`` calls those at or beside our module
-paths (older copies of ours, say) foreign. ``apply`` and ``revert`` take turns, by an flock.
+paths (older copies of ours, say) foreign. Where trinity-rft is gone or another version, only
+``revert`` acts: it removes what of ours is left. ``apply`` and ``revert`` take turns, by an flock.
 """
 
 import argparse
@@ -25,17 +28,51 @@ import importlib.metadata
 import json
 import os
 import re
+import shlex
 import shutil
 import stat
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 REPO = Path(__file__).resolve().parent.parent
 DIST, VERSION = "trinity-rft", "0.6.0"
 RECORD = "trinity/.bapo-installed.json"
+PATCHED = ".patched"  # the record's key for the files `apply` patched (no module path is this)
+# sha256 of the 0.6.0 release's files that a series of this repository touches or touched, for an
+# editable install, whose RECORD lists no package file (tests check these against the wheel's)
+RELEASED = {
+    "trinity/algorithm/__init__.py": (
+        "90ecc5ad83edcd7b66a0285419e7314aff763e04dae31b0f29bb07cd33d3961e"
+    ),
+    "trinity/algorithm/algorithm.py": (
+        "71366a5ada4bdf62e0fd6641c9edb6923e31944813f6b346981bf5ea869070a5"
+    ),
+    "trinity/algorithm/policy_loss_fn/__init__.py": (
+        "7aacc695978ed9e3898c5605b45fef3d73c3b1b9650ab793f162ac9a9c26c882"
+    ),
+    "trinity/algorithm/policy_loss_fn/policy_loss_fn.py": (
+        "8a09fa70085f0d0c86b9d9e5893c304eac4f1c0aa09787e261ce6f79da37d0dc"
+    ),
+    "trinity/common/config_validator.py": (
+        "256b0cba8abbc4206931de386bcede07523ad294345f9ac03e421970193d1ae0"
+    ),
+    "trinity/trainer/verl/losses.py": (
+        "9a57132abe5c24a1d64e09f21d7d1009bf43ca546ad1e0c3465308ec5b149d67"
+    ),
+    "trinity/trainer/verl/workers.py": (
+        "9ac70e41a2d0e8b7f1343140f99f1f24b68f8dd974e60aa2fd62206e54ed5e07"
+    ),
+    "trinity/trainer/verl_legacy/dp_actor.py": (
+        "4350d889f3562508cf78c8bd1029e23b541321d38b65f4866b704c7166cd73e7"
+    ),
+}
 NOTES = {
     "unrecorded": "a copy of ours missing from the record: `apply` records it, `revert` removes it",
     "foreign": "neither pip's nor ours: `apply` will not replace it and `revert` leaves it; "
@@ -46,12 +83,31 @@ NOTES = {
     "outdated": "written by an earlier commit of this repository: `python "
     "scripts/trinity_patches.py apply` (or `make setup`) brings it to this one; `revert` "
     "restores the release",
+    "newer": "written by an `apply`, but neither by this checkout nor by a commit in its git "
+    "history: it may come from a newer checkout of this repository (or uncommitted work), whose "
+    "`apply` and `revert` handle it; here a touched file is refused, a module replaced (`apply`) "
+    "or removed (`revert`)",
 }
 SHALLOW = (
     "A file an earlier commit's series patched counts as modified where this checkout lacks that "
     "commit (an archive, a shallow clone: `git fetch --unshallow`)."
 )
 START_CLEAN = f"To start clean: pip install --force-reinstall --no-deps {DIST}=={VERSION}"
+EDITABLE = (
+    f"{DIST} is an editable install: a touched file of its source tree that is neither the "
+    f"{VERSION} release nor patched is the developer's, and left to them (move the change away, "
+    "or take the file from the release), then rerun."
+)
+
+
+class Install(NamedTuple):
+    """The trinity package the tool works on, and what of it is the release's."""
+
+    site: Path  # the directory that holds the package
+    version: str | None  # the trinity-rft installed there; None where there is none
+    released: dict[str, str]  # site-relative path -> sha256 of the released bytes, where known
+    files: set[str]  # the release's files, which are never ours to replace or remove
+    editable: bool  # a source tree (``pip install -e``), whose every file not ours is the release's
 
 
 def sha256(path: Path) -> str:
@@ -70,15 +126,51 @@ def touched(patches: list[Path] | None = None) -> list[str]:
     return sorted(set(re.findall(r"^\+\+\+ b/(\S+)", text, re.M)))
 
 
-def released_hashes(site: Path) -> dict[str, str]:
-    """Hex sha256 of every released file, from RECORD, after checking the installed version."""
-    dists = list(importlib.metadata.distributions(name=DIST, path=[str(site)]))
-    if len(dists) != 1:
-        raise SystemExit(f"{len(dists)} {DIST} installations found in {site}; expected one")
-    if dists[0].version != VERSION:
-        raise SystemExit(f"{DIST} {dists[0].version} is installed; the series is for {VERSION}")
-    hashes = {str(f): f.hash for f in dists[0].files or [] if f.hash and f.hash.mode == "sha256"}
-    return {rel: base64.urlsafe_b64decode(h.value + "==").hex() for rel, h in hashes.items()}
+def source_tree(dist: importlib.metadata.Distribution) -> Path | None:
+    """The source tree of an editable install (PEP 610's direct_url.json), else None."""
+    info = json.loads(dist.read_text("direct_url.json") or "{}")
+    if not info.get("dir_info", {}).get("editable"):
+        return None
+    return Path(url2pathname(urlparse(info["url"]).path))
+
+
+def locate(site: Path | None) -> tuple[Path, importlib.metadata.Distribution | None]:
+    """The directory that holds the trinity package, and trinity-rft's metadata (None: none).
+
+    That is an editable install's source tree, else `site`, by default where the running Python
+    has trinity-rft or, without one, its site-packages, where an uninstall leaves our files.
+    """
+    if site is None:
+        dists = list(importlib.metadata.distributions(name=DIST))[:1]  # the one Python imports
+        site = Path(str(dists[0].locate_file(""))) if dists else Path(sysconfig.get_path("purelib"))
+    else:
+        dists = list(importlib.metadata.distributions(name=DIST, path=[str(site)]))
+        if len(dists) > 1:
+            raise SystemExit(f"{len(dists)} {DIST} installations found in {site}; expected one")
+    dist = next(iter(dists), None)
+    return ((dist and source_tree(dist)) or site).resolve(), dist
+
+
+def inspect(site: Path, dist: importlib.metadata.Distribution | None, overlay: Path) -> Install:
+    """What of `site` is the release's: RECORD's files, or a source tree's files not ours.
+
+    RECORD's sha256 give the released bytes; a source tree's files are judged by RELEASED's.
+    """
+    if dist is None:
+        return Install(site, None, {}, set(), False)
+    hashes = {str(f): f.hash.value for f in dist.files or [] if f.hash and f.hash.mode == "sha256"}
+    released = {rel: base64.urlsafe_b64decode(h + "==").hex() for rel, h in hashes.items()}
+    if "trinity/__init__.py" in released:
+        return Install(site, dist.version, released, set(released), False)
+    if not (site / "trinity" / "__init__.py").is_file():
+        raise SystemExit(
+            f"{DIST} is an editable install, and {site} holds no trinity package: "
+            "name the source tree's directory that holds it with --site"
+        )
+    states = module_states(site, overlay, set())
+    ours = {rel for rel, state in states.items() if state not in ("absent", "foreign")}
+    found = {str(p.relative_to(site)) for p in (site / "trinity").rglob("*") if p.is_file()}
+    return Install(site, dist.version, RELEASED, found - ours - {RECORD}, True)
 
 
 def git_apply(root: Path, *args: str | Path) -> subprocess.CompletedProcess[bytes]:
@@ -97,8 +189,12 @@ def stage(sources: dict[str, Path], tmp: Path) -> Path:
 
 
 def place(site: Path, sources: dict[str, Path]) -> None:
-    """Put copies of the sources at their targets, all or none, keeping a target's mode."""
-    pending = []  # copies next to their targets, then renames (which cannot fail)
+    """Put copies of the sources at their targets by one rename each, keeping a target's mode.
+
+    All copies are made before the first rename. A failure leaves no copy behind, but a rename
+    that fails (an immutable target) leaves the targets renamed before it replaced.
+    """
+    pending = []
     try:
         for rel, src in sources.items():
             (site / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -107,12 +203,12 @@ def place(site: Path, sources: dict[str, Path]) -> None:
             shutil.copyfile(src, tmp)
             exists = (site / rel).exists()
             os.chmod(tmp, stat.S_IMODE((site / rel).stat().st_mode) if exists else 0o644)
+        for tmp, dst in pending:
+            os.replace(tmp, dst)  # a fresh mtime, so no cached bytecode of the old copy matches
     except BaseException:
         for tmp, _ in pending:
-            tmp.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)  # gone once renamed
         raise
-    for tmp, dst in pending:
-        os.replace(tmp, dst)  # a fresh mtime, so no cached bytecode of the old copy matches
 
 
 def git_files(specs: list[str]) -> list[str | None]:
@@ -131,15 +227,19 @@ def git_files(specs: list[str]) -> list[str | None]:
     return found or [None] * len(specs)
 
 
+def commits(*paths: str) -> list[str]:
+    """The commits of the repository's history that change `paths`, newest first."""
+    log = subprocess.run(["git", "log", "--format=%H", "--", *paths], cwd=REPO, capture_output=True)
+    return log.stdout.decode().split()
+
+
 def earlier_series(tmp: Path) -> list[list[Path]]:
     """Each other series the repository's git history holds, newest first, written under `tmp`.
 
     Empty where the checkout has no history (an archive); a shallow clone gives its own part.
     """
-    paths = ["patches/series", ":(glob)patches/*.patch"]
-    log = subprocess.run(["git", "log", "--format=%H", "--", *paths], cwd=REPO, capture_output=True)
-    commits = log.stdout.decode().split()
-    listing = dict(zip(commits, git_files([f"{c}:patches/series" for c in commits])))
+    changed = commits("patches/series", ":(glob)patches/*.patch")
+    listing = dict(zip(changed, git_files([f"{c}:patches/series" for c in changed])))
     names = {commit: text.split() for commit, text in listing.items() if text}
     texts = iter(git_files([f"{c}:patches/{name}" for c in names for name in names[c]]))
     found, seen = [], {tuple[str | None, ...](p.read_text() for p in series())}
@@ -155,6 +255,17 @@ def earlier_series(tmp: Path) -> list[list[Path]]:
     return found
 
 
+def repo_versions(rels: list[str]) -> set[tuple[str, str]]:
+    """(path, sha256) of every version of the repository's files `rels` in its git history."""
+    specs = [(commit, rel) for commit in commits(*rels) for rel in rels] if rels else []
+    texts = git_files([f"{commit}:{rel}" for commit, rel in specs])
+    return {
+        (rel, hashlib.sha256(text.encode()).hexdigest())
+        for (_, rel), text in zip(specs, texts)
+        if text is not None
+    }
+
+
 def undo(site: Path, rel: str, want: str | None, patches: list[Path], tmp: Path) -> Path | None:
     """A scratch copy of `rel` with `patches` reversed, if that gives the released bytes."""
     root = stage({rel: site / rel}, tmp)
@@ -162,37 +273,47 @@ def undo(site: Path, rel: str, want: str | None, patches: list[Path], tmp: Path)
     return None if done.returncode or sha256(root / rel) != want else root / rel
 
 
-def file_states(site: Path, released: dict[str, str], tmp: Path) -> tuple[dict, dict]:
+def file_states(install: Install, tmp: Path) -> tuple[dict, dict]:
     """The state of every file this series or an earlier one touches; released bytes if known.
 
-    'released', 'patched' (this series' output), 'outdated' (an earlier series' output),
-    'modified' (anything else) or 'missing'; the released bytes (a path) of the first three. A
-    file that only an earlier series touched is listed unless it is released.
+    'released', 'patched' (this series' output), 'outdated' (an earlier series' output), 'newer'
+    (neither, but bytes an `apply` recorded), 'modified' (anything else) or 'missing'; the
+    released bytes (a path) of the first three. A file that only an earlier series touched is
+    listed unless it is released.
     """
-    earlier, current = earlier_series(tmp), set(touched())
+    site, earlier, current = install.site, earlier_series(tmp), set(touched())
+    written = recorded(site).get(PATCHED, {})
     states, copies = {}, {}
     for rel in sorted(current.union(*map(touched, earlier))):
-        copy, want = None, released.get(rel)
+        copy, want = None, install.released.get(rel)
         if not (site / rel).is_file():
             states[rel] = "missing"
         elif sha256(site / rel) == want:
             states[rel], copy = "released", site / rel
         elif rel in current and (copy := undo(site, rel, want, series(), tmp)):
             states[rel] = "patched"
+        elif copy := next(filter(None, (undo(site, rel, want, p, tmp) for p in earlier)), None):
+            states[rel] = "outdated"
         else:
-            copy = next(filter(None, (undo(site, rel, want, p, tmp) for p in earlier)), None)
-            states[rel] = "outdated" if copy else "modified"
+            states[rel] = "newer" if sha256(site / rel) == written.get(rel) else "modified"
         if copy:
             copies[rel] = copy
     return {rel: s for rel, s in states.items() if rel in current or s != "released"}, copies
 
 
-def pending(site: Path, released: dict[str, str], action: str, tmp: Path) -> dict[str, Path]:
+def advice(install: Install, states: set[str]) -> list[str]:
+    """The ways out of files neither released nor patched, none replacing an editable install."""
+    if install.editable:
+        return [EDITABLE]
+    return [SHALLOW] * ("modified" in states) + [START_CLEAN]
+
+
+def pending(install: Install, action: str, tmp: Path) -> dict[str, Path]:
     """The files still to patch (or revert), with their released bytes.
 
     Refuses, naming files, unless each is released, patched or outdated.
     """
-    states, copies = file_states(site, released, tmp)
+    states, copies = file_states(install, tmp)
     if set(states.values()) <= {"released", "patched", "outdated"}:
         todo = {"apply": "released", "revert": "patched"}[action]
         return {rel: copies[rel] for rel, state in states.items() if state in (todo, "outdated")}
@@ -200,9 +321,13 @@ def pending(site: Path, released: dict[str, str], action: str, tmp: Path) -> dic
     for rel, state in states.items():
         lines.append(f"  {state:<9} {rel}")
         if state in ("modified", "missing"):
-            digest = sha256(site / rel) if state == "modified" else "-"
-            lines += [f"      sha256   {digest}", f"      released {released.get(rel, '-')}"]
-    raise SystemExit("\n".join([*lines, SHALLOW, START_CLEAN]))
+            digest = sha256(install.site / rel) if state == "modified" else "-"
+            lines += [
+                f"      sha256   {digest}",
+                f"      released {install.released.get(rel, '-')}",
+            ]
+    lines += notes({"newer"} & set(states.values()))
+    raise SystemExit("\n".join([*lines, *advice(install, set(states.values()))]))
 
 
 def rewrite(site: Path, todo: dict[str, Path], reverse: bool, tmp: Path) -> None:
@@ -224,29 +349,33 @@ def repo_modules(overlay: Path) -> dict[str, Path]:
     return {str(src.relative_to(overlay.parent)): src for src in found}
 
 
-def module_states(site: Path, overlay: Path, released: dict[str, str]) -> dict[str, str]:
+def module_states(site: Path, overlay: Path, files: set[str]) -> dict[str, str]:
     """Map each repo module and recorded copy to its state; see `clashes`.
 
-    A recorded copy is installed, outdated (the recorded bytes), stale (recorded bytes, no
-    longer in the repo) or modified; a file the record lacks is unrecorded (the repo's bytes:
-    ours) or foreign; a path pip installed is blocked.
+    A recorded copy is installed, outdated (recorded bytes, the repo's in its history), stale
+    (the same, of a module the repo no longer has), newer (recorded bytes the history lacks) or
+    modified; a file the record lacks is unrecorded (the repo's bytes: ours) or foreign; a path
+    among the release's `files` is blocked.
     """
     record, sources, states = read_record(site), repo_modules(overlay), {}
     for rel in sorted(set(sources) | set(record)):
         src, dst, state = sources.get(rel), site / rel, "absent"
-        if rel in released:
+        if rel in files:
             state = "blocked"
         elif dst.exists() and rel in record:
             digest = sha256(dst)
             if src and digest == sha256(src):
                 state = "installed"
-            elif digest == record[rel]:
-                state = "outdated" if src else "stale"
             else:
-                state = "modified"
+                state = "recorded" if digest == record[rel] else "modified"
         elif dst.exists() and src:
             state = "unrecorded" if sha256(dst) == sha256(src) else "foreign"
         states[rel] = state
+    earlier = [rel for rel, state in states.items() if state == "recorded"]
+    known = repo_versions(earlier)
+    for rel in earlier:
+        older = "outdated" if rel in sources else "stale"
+        states[rel] = older if (rel, record[rel]) in known else "newer"
     return states
 
 
@@ -270,30 +399,43 @@ def strays(site: Path, rels: list[str]) -> list[str]:
     return sorted(found)
 
 
-def foreign(site: Path, released: dict[str, str], rels: list[str]) -> list[str]:
-    """Files ``*.py`` beside the modules `rels` that neither pip's RECORD nor our record lists."""
+def foreign(install: Install, rels: list[str]) -> list[str]:
+    """Files ``*.py`` beside the modules `rels` that neither the release nor our record has."""
+    site = install.site
     found = {str(p.relative_to(site)) for rel in rels for p in (site / rel).parent.glob("*.py")}
-    return sorted(found - set(released) - set(read_record(site)))
+    return sorted(found - install.files - set(read_record(site)))
+
+
+def notes(states: set[str]) -> list[str]:
+    """What the given states mean, for those that need a word."""
+    return [f"{state}: {NOTES[state]}" for state in sorted(states & set(NOTES))]
 
 
 def listing(states: dict[str, str]) -> list[str]:
     """One line per file, then what the states that need a word mean, for the user to act on."""
-    lines = [f"  {state:<9} {rel}" for rel, state in states.items()]
-    return lines + [f"{s}: {NOTES[s]}" for s in sorted(set(states.values()) & set(NOTES))]
+    return [f"  {state:<9} {rel}" for rel, state in states.items()] + notes(set(states.values()))
+
+
+def recorded(site: Path) -> dict:
+    """The record as written: our modules' sha256 by path, the patched files' under PATCHED."""
+    return json.loads((site / RECORD).read_text()) if (site / RECORD).is_file() else {}
 
 
 def read_record(site: Path) -> dict[str, str]:
     """Our installed modules: site-relative path -> sha256 of the copy."""
-    return json.loads((site / RECORD).read_text()) if (site / RECORD).is_file() else {}
+    return {rel: digest for rel, digest in recorded(site).items() if rel != PATCHED}
 
 
 def remove_modules(site: Path, rels: list[str]) -> None:
-    """Remove our modules, their bytecode, and directories left empty (pip makes none empty)."""
+    """Remove our files, their bytecode, and the directories that leaves empty.
+
+    Those are our own, or `trinity/` itself once pip's files are gone (pip leaves none empty).
+    """
     for rel in rels:
         (site / rel).unlink(missing_ok=True)
         for pyc in (site / rel).parent.glob(f"__pycache__/{Path(rel).stem}.*.pyc"):
             pyc.unlink()
-        for directory in Path(rel).parents[:-2]:
+        for directory in Path(rel).parents[:-1]:  # up to `trinity/`
             for sub in (site / directory / "__pycache__", site / directory):
                 if sub.is_dir() and not any(sub.iterdir()):
                     sub.rmdir()
@@ -310,18 +452,61 @@ def locked(site: Path) -> Iterator[None]:
         os.close(handle)  # frees the lock, as the end of the process would
 
 
-def write_record(site: Path, record: dict[str, str]) -> None:
-    """Replace our record of installed modules in one rename, as ``place`` does."""
+def write_record(site: Path, record: dict) -> None:
+    """Replace our record of what `apply` wrote in one rename, as ``place`` does."""
     with tempfile.TemporaryDirectory(prefix="trinity-patches-") as tmp:
         Path(tmp, "record.json").write_text(json.dumps(record, indent=1, sort_keys=True))
         place(site, {RECORD: Path(tmp, "record.json")})
 
 
-def cmd_apply(site: Path, overlay: Path, reverse: bool, tmp: Path) -> None:
-    """Patch or revert (finishing what a killed run left), then install or remove our modules."""
-    released, action = released_hashes(site), "revert" if reverse else "apply"
-    todo = pending(site, released, action, tmp)
-    states = module_states(site, overlay, released)
+def unavailable(install: Install) -> str:
+    """Why the series has nothing to work on: no trinity-rft where it looked, or another one."""
+    if install.version is None:
+        return f"{DIST} is not installed in {install.site}"
+    return f"{DIST} {install.version} is installed in {install.site}; the series is for {VERSION}"
+
+
+def elsewhere(install: Install, states: dict[str, str]) -> str:
+    """One line: why the series cannot act here, and the command that removes what of ours is."""
+    site, line = install.site, unavailable(install)
+    if (site / RECORD).is_file() or set(states.values()) - {"absent", "blocked", "foreign"}:
+        tool = [sys.executable, str(Path(__file__).resolve())]
+        command = shlex.join([*tool, "revert", "--site", str(site)])
+        line += f"; files of ours that an `apply` put there remain: `{command}` removes them"
+    return line
+
+
+def sync_modules(
+    install: Install, overlay: Path, states: dict[str, str], wanted: set[str]
+) -> tuple[int, int]:
+    """Install the modules `wanted`, remove other copies of ours: how many removed, copied."""
+    site, before = install.site, recorded(install.site)
+    ours = set(read_record(site)) | {rel for rel, state in states.items() if state == "unrecorded"}
+    removed = sorted(ours - wanted - install.files)  # never a file pip installed
+    remove_modules(site, removed)
+    copied = ("absent", "outdated", "newer")  # the others are ours in place, or refused
+    copies = {rel: overlay.parent / rel for rel in wanted if states[rel] in copied}
+    place(site, copies)
+    record: dict = {rel: sha256(site / rel) for rel in wanted}
+    if record:
+        record[PATCHED] = {rel: sha256(site / rel) for rel in touched()}
+        if record != before:
+            write_record(site, record)
+    else:
+        remove_modules(site, [RECORD])  # last, and with `trinity/` if nothing else is left there
+    return len(removed), len(copies)
+
+
+def cmd_apply(install: Install, overlay: Path, reverse: bool, tmp: Path) -> None:
+    """Patch or revert (finishing what a stopped run left), then install or remove our modules.
+
+    Where no trinity-rft 0.6.0 is installed, `revert` removes only what of ours is left.
+    """
+    site, action = install.site, "revert" if reverse else "apply"
+    states = module_states(site, overlay, install.files)
+    if install.version != VERSION and not reverse:
+        raise SystemExit(elsewhere(install, states))
+    todo = pending(install, action, tmp) if install.version == VERSION else {}
     wanted = set() if reverse else set(repo_modules(overlay))
     refused = clashes(states, wanted)
     if refused:
@@ -329,43 +514,53 @@ def cmd_apply(site: Path, overlay: Path, reverse: bool, tmp: Path) -> None:
         raise SystemExit("\n".join([*lines, *listing(refused)]))
     for rel in strays(site, [*touched(), *states]):  # under the lock: no run is writing them
         (site / rel).unlink()
-    if todo:
-        rewrite(site, todo, reverse, tmp)
-    done = [patch for patch in series() if set(touched([patch])) & set(todo)]
-    print(f"{len(done)} of {len(series())} patches {'reverted' if reverse else 'applied'} now")
-    before = read_record(site)
-    ours = set(before) | {rel for rel, state in states.items() if state == "unrecorded"}
-    removed = sorted(ours - wanted - set(released))  # never a file pip installed
-    remove_modules(site, removed)
-    copies = {rel: overlay.parent / rel for rel in wanted if states[rel] in ("absent", "outdated")}
-    place(site, copies)
-    record = {rel: sha256(site / rel) for rel in wanted}
-    if record and record != before:
-        write_record(site, record)
-    elif not record:
-        (site / RECORD).unlink(missing_ok=True)
-    if reverse:
-        left = {rel: "foreign" for rel in foreign(site, released, list(states))}
-        print("\n".join([f"our modules: {len(removed)} removed", *listing(left)]))
+    watched = sorted({*touched(), *todo, *states, RECORD})
+    before = fingerprint(site, watched)
+    try:
+        if todo:
+            rewrite(site, todo, reverse, tmp)
+        removed, copied = sync_modules(install, overlay, states, wanted)
+    except OSError as error:
+        if fingerprint(site, watched) != before:
+            other, state = ("apply", "reverted") if reverse else ("revert", "patched")
+            error.add_note(
+                f"{DIST} in {site} is now partly {state}: `{action}` once the cause is fixed, "
+                f"or `{other}`, finishes it"
+            )
+        raise
+    if install.version == VERSION:
+        done = [patch for patch in series() if set(touched([patch])) & set(todo)]
+        print(f"{len(done)} of {len(series())} patches {'reverted' if reverse else 'applied'} now")
     else:
-        print(f"our modules: {len(wanted)} installed, {len(copies)} of them copied now")
+        print(f"{unavailable(install)}: only files of ours were removed")
+    if reverse:
+        left = {rel: "foreign" for rel in foreign(install, list(states))}
+        print("\n".join([f"our modules: {removed} removed", *listing(left)]))
+    else:
+        print(f"our modules: {len(wanted)} installed, {copied} of them copied now")
 
 
-def cmd_status(site: Path, overlay: Path, tmp: Path) -> bool:
+def fingerprint(site: Path, rels: list[str]) -> dict[str, str | None]:
+    """The sha256 of each of `rels` (None where absent): did a failed run change any?"""
+    return {rel: sha256(site / rel) if (site / rel).is_file() else None for rel in rels}
+
+
+def cmd_status(install: Install, overlay: Path, tmp: Path) -> bool:
     """Print the state of every touched file and module; True when all is as the repo has it."""
-    released = released_hashes(site)
-    files, modules = file_states(site, released, tmp)[0], module_states(site, overlay, released)
-    others = {
-        rel: "foreign" for rel in foreign(site, released, list(modules)) if rel not in modules
-    }
+    site = install.site
+    modules = module_states(site, overlay, install.files)
+    if install.version != VERSION:
+        raise SystemExit(elsewhere(install, modules))
+    files = file_states(install, tmp)[0]
+    others = {rel: "foreign" for rel in foreign(install, list(modules)) if rel not in modules}
     left = {rel: "stray" for rel in strays(site, [*files, *modules])}
-    print(f"{DIST} {VERSION} in {site}")
+    print(f"{DIST} {VERSION}{' (editable)' * install.editable} in {site}")
     for kind, states in (("touched files", files), ("our modules", modules | others)):
         print("\n".join([f"{kind}:", *listing(states)]))
     if left:
         print("\n".join(["left by an interrupted run:", *listing(left)]))
     if "modified" in files.values():
-        print("\n".join([SHALLOW, START_CLEAN]))
+        print("\n".join(advice(install, set(files.values()))))
     return files == dict.fromkeys(touched(), "patched") and set(modules.values()) <= {"installed"}
 
 
@@ -376,20 +571,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--site", type=Path, help="directory that holds the trinity package")
     parser.add_argument("--overlay", type=Path, default=REPO / "trinity", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    site = (args.site or Path(str(importlib.metadata.distribution(DIST).locate_file("")))).resolve()
     try:
         with tempfile.TemporaryDirectory(prefix="trinity-patches-") as scratch:
-            tmp, overlay = Path(scratch), args.overlay.resolve()
+            (site, dist), tmp, overlay = locate(args.site), Path(scratch), args.overlay.resolve()
             if args.command != "status":
                 with locked(site):
-                    cmd_apply(site, overlay, args.command == "revert", tmp)
-            elif not cmd_status(site, overlay, tmp):
+                    install = inspect(site, dist, overlay)
+                    cmd_apply(install, overlay, args.command == "revert", tmp)
+            elif not cmd_status(inspect(site, dist, overlay), overlay, tmp):
                 return 1  # not everything is patched and installed as the repo has it
     except OSError as error:  # a read-only site, say: what failed where, in one line
         if error.filename is None:
             raise
         where = Path(error.filename).parent
-        raise SystemExit(f"cannot {args.command} in {where}: {error.strerror}") from None
+        notes = "".join(f"; {note}" for note in getattr(error, "__notes__", []))
+        raise SystemExit(f"cannot {args.command} in {where}: {error.strerror}{notes}") from None
     return 0
 
 

@@ -6,11 +6,14 @@ patches/series with GNU `patch -R` if needed, and checks every file against RECO
 """
 
 import base64
+import difflib
 import hashlib
 import importlib.metadata
 import io
+import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import stat
@@ -91,6 +94,16 @@ def killing_replace(*args):
     if len(done) == {renames}:
         os.kill(os.getpid(), signal.SIGKILL)
 os.replace = killing_replace
+"""
+
+# The prelude under which renaming a copy onto one target fails, as onto an immutable file.
+REFUSE_ONE = """import errno, os
+replace = os.replace
+def refusing_replace(src, dst, *args, **kwargs):
+    if str(dst).endswith({target!r}):
+        raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), str(src), None, str(dst))
+    replace(src, dst, *args, **kwargs)
+os.replace = refusing_replace
 """
 
 
@@ -551,3 +564,193 @@ def test_without_git_history_an_earlier_series_output_is_refused_with_the_way_ou
     )
     assert done.returncode == 1 and "modified " in done.stdout
     assert "git fetch --unshallow" in done.stdout and "pip install --force-reinstall" in done.stdout
+
+
+def test_the_release_hashes_for_editable_installs_are_the_wheels() -> None:
+    from scripts.trinity_patches import RELEASED
+
+    assert set(touched()) <= set(RELEASED)
+    assert RELEASED == {rel: released_record()[rel] for rel in RELEASED}
+
+
+def pip_uninstall(site: Path) -> None:
+    """Remove what pip's RECORD lists, with its bytecode and the directories left empty, as pip."""
+    info = next(site.glob("trinity_rft-*.dist-info"))
+    for line in (info / "RECORD").read_text().splitlines():
+        path = site / line.rsplit(",", 2)[0]
+        path.unlink(missing_ok=True)
+        for pyc in path.parent.glob(f"__pycache__/{path.stem}.*.pyc"):
+            pyc.unlink()
+    shutil.rmtree(info)
+    for directory in sorted(directories(site / "trinity"), key=lambda p: -len(p.parts)):
+        if not any(directory.iterdir()):
+            directory.rmdir()
+
+
+def bytecode(site: Path, rel: str) -> Path:
+    """Write a stand-in for the bytecode that importing module `rel` of `site` caches."""
+    return write((site / rel).parent / "__pycache__" / f"{Path(rel).stem}.cpython-311.pyc", "")
+
+
+def the_way_out(stderr: str, *named: str) -> list[str]:
+    """Check a refusal is one line naming `named`; the command between its backticks."""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert all(word in lines[0] for word in named), stderr
+    return shlex.split(re.findall(r"`([^`]*)`", lines[0])[-1])
+
+
+def test_after_pip_uninstall_revert_removes_what_of_ours_is_left(
+    released: Path, tmp_path: Path
+) -> None:
+    """Where the running Python's trinity-rft is gone, the tool looks in its site-packages."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True, timeout=60)
+    python = venv / "bin" / "python"
+    where = [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]
+    site = Path(subprocess.run(where, capture_output=True, text=True, check=True).stdout.strip())
+    assert not any(site.iterdir())
+    shutil.copytree(released, site, symlinks=True, dirs_exist_ok=True)  # as pip installs it
+    subprocess.run([python, TOOL, "apply"], check=True, capture_output=True, timeout=60)
+    bytecode(site, modules()[0])
+    pip_uninstall(site)
+    for command in ("status", "apply"):
+        done = subprocess.run([python, TOOL, command], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1
+        way_out = the_way_out(done.stderr, "not installed", str(site))
+    assert way_out[1:] == [str(TOOL), "revert", "--site", str(site)]
+    subprocess.run(way_out, check=True, capture_output=True, timeout=60)
+    assert not any(site.iterdir())
+
+
+def test_after_a_move_to_another_version_revert_removes_only_ours(site: Path) -> None:
+    tool("apply", site)
+    bytecode(site, modules()[0])
+    metadata = site / "trinity_rft-0.6.0.dist-info" / "METADATA"  # pip's files, as 0.5.2's
+    metadata.write_text(metadata.read_text().replace("Version: 0.6.0", "Version: 0.5.2", 1))
+    pips = {rel: sha256(site / rel) for rel in released_record() if (site / rel).is_file()}
+    for command in ("status", "apply"):
+        way_out = the_way_out(refused(command, site), "0.5.2 is installed", "0.6.0", str(site))
+    assert way_out[1:] == [str(TOOL), "revert", "--site", str(site)]
+    subprocess.run(way_out, check=True, capture_output=True, timeout=60)
+    assert {rel: sha256(site / rel) for rel in package_files(site)} == {
+        rel: digest for rel, digest in pips.items() if rel.startswith("trinity/")
+    }
+
+
+@pytest.fixture
+def editable(released: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """(source tree, site-packages) of an editable install of the release (``pip install -e``).
+
+    The source tree holds the package and setuptools' egg-info; site-packages the metadata, whose
+    RECORD lists no file of the package, and a direct_url.json that names the source tree.
+    """
+    source, packages = tmp_path / "source", tmp_path / "site-packages"
+    shutil.copytree(released / "trinity", source / "trinity", symlinks=True)
+    metadata = (released / "trinity_rft-0.6.0.dist-info" / "METADATA").read_text()
+    write(source / "trinity_rft.egg-info" / "PKG-INFO", metadata)
+    info = packages / "trinity_rft-0.6.0.dist-info"
+    write(info / "METADATA", metadata)
+    write(info / "RECORD", f"{info.name}/METADATA,,\n{info.name}/RECORD,,\n")
+    url = {"url": source.as_uri(), "dir_info": {"editable": True}}
+    write(info / "direct_url.json", json.dumps(url))
+    return source, packages
+
+
+def test_an_editable_install_is_patched_and_reverted_byte_for_byte(editable) -> None:
+    """Found from its metadata by the running Python (here one whose path is the site-packages)."""
+    source, packages = editable
+    before = snapshot(source, with_times=False)
+    python = [sys.executable, "-S"]  # no site-packages but PYTHONPATH's
+    env = dict(os.environ, PYTHONPATH=str(packages))
+
+    def run(*args: str, status: int = 0) -> CompletedProcess:
+        done = subprocess.run(
+            [*python, TOOL, *args], capture_output=True, text=True, timeout=60, env=env
+        )
+        assert done.returncode == status, done.stdout + done.stderr
+        return done
+
+    assert all(f"released  {rel}" in run("status", status=1).stdout for rel in touched())
+    run("apply")
+    stdout = run("status").stdout
+    assert f"(editable) in {source}" in stdout and f"installed {modules()[0]}" in stdout
+    assert all(f"patched   {rel}" in stdout for rel in touched())
+    assert "editable" in tool("status", source).stdout  # --site names the source tree
+    run("revert")
+    assert snapshot(source, with_times=False) == before
+
+
+def test_an_edit_in_an_editable_install_is_refused_with_harmless_advice(editable) -> None:
+    source, _ = editable
+    with open(source / LOSSES, "a") as handle:
+        handle.write("# the developer's change\n")
+    for command in ("apply", "revert"):
+        stderr = refused(command, source)
+        assert f"modified  {LOSSES}" in stderr and "editable install" in stderr
+        assert "--unshallow" not in stderr and "--force-reinstall" not in stderr
+
+
+@pytest.mark.parametrize("command, other", [("apply", "revert"), ("revert", "apply")])
+def test_a_failed_rename_says_the_package_is_partly_done_and_what_finishes_it(
+    site: Path, released: Path, patched: Path, command: str, other: str, tmp_path: Path
+) -> None:
+    if command == "revert":
+        tool("apply", site)
+    last = touched()[-1]  # the last file renamed: the others are done when it fails
+    stderr = tool(command, site, prelude=REFUSE_ONE.format(target=last), status=1).stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and f"cannot {command} in {(site / last).parent}" in lines[0], stderr
+    done = "patched" if command == "apply" else "reverted"
+    assert f"now partly {done}" in lines[0]
+    assert f"`{command}` once the cause is fixed, or `{other}`, finishes it" in lines[0]
+    record = released_record()
+    assert {sha256(site / rel) == record[rel] for rel in touched()} == {True, False}
+    assert not temporaries(site)
+    again = tmp_path / "again"
+    shutil.copytree(site, again, symlinks=True)
+    for finish, where, want in (("apply", site, patched), ("revert", again, released)):
+        tool(finish, where)
+        assert snapshot(where, with_times=False) == snapshot(want, with_times=False), finish
+
+
+def newer_checkout(root: Path, patched: Path) -> Path:
+    """A checkout of this repository one commit ahead, as a plain tree without git history.
+
+    Its series patches LOSSES once more, and each of its modules differs from ours.
+    """
+    for part in ("patches", "trinity"):
+        shutil.copytree(REPO / part, root / part, ignore=shutil.ignore_patterns("__pycache__"))
+    write(root / "scripts" / "trinity_patches.py", TOOL.read_text())
+    ours = (patched / LOSSES).read_text().splitlines(keepends=True)
+    diff = difflib.unified_diff(ours, [*ours, "# a newer line\n"], f"a/{LOSSES}", f"b/{LOSSES}")
+    write(root / "patches" / "newer-0001.patch", "".join(diff))
+    with open(root / "patches" / "series", "a") as handle:
+        handle.write("newer-0001.patch\n")
+    for rel in modules():
+        with open(root / rel, "a") as handle:
+            handle.write("# a newer line\n")
+    return root
+
+
+def test_a_newer_checkouts_output_is_named_as_such(
+    site: Path, patched: Path, tmp_path: Path
+) -> None:
+    newer = newer_checkout(tmp_path / "newer", patched)
+    cmd = [
+        sys.executable,
+        str(newer / "scripts" / "trinity_patches.py"),
+        "apply",
+        "--site",
+        str(site),
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=60)
+    stdout = tool("status", site, status=1).stdout
+    for rel in (LOSSES, *modules()):
+        assert f"newer     {rel}" in stdout, stdout
+    assert "may come from a newer checkout of this repository" in stdout
+    assert "modified" not in stdout and "outdated" not in stdout and "--unshallow" not in stdout
+    for command in ("apply", "revert"):
+        stderr = refused(command, site)
+        assert f"newer     {LOSSES}" in stderr and "newer checkout" in stderr
+        assert "modified" not in stderr and "--unshallow" not in stderr
