@@ -2,10 +2,12 @@
 
 One launch of ``scripts/trinity_run.py`` for 2 steps, as ``make trinity-run`` runs it: the CLI,
 config loading and validation, the sqlite buffer, Ray, the trainer, verl's worker ranks, the
-engine, ``TrinityPolicyLoss`` with its group, and the checkpoint. The steps and metrics are read
-from what Trinity logged, the agreement from each rank's own record of its loss calls; then
-nothing of that Ray may be left running, and nothing written outside ``runs/``. While it trains,
-a second launch on its folder must refuse at once.
+engine, ``TrinityPolicyLoss`` with its group, and the checkpoint. Its folder's name holds what
+YAML text would misread (``" #"``, ``": "``), and its TMPDIR is 120 characters long, more than
+Ray's socket paths leave room for. The steps and metrics are read from what Trinity logged, the
+agreement from each rank's own record of its loss calls; then nothing of that Ray may be left
+running, and nothing written outside ``runs/``. While it trains, a second launch on its folder
+must refuse at once.
 
 Three launches cut short by a real signal, each at its moment: SIGHUP before Ray is up, SIGINT
 to the process group while Ray starts, SIGTERM while the ranks train. Each must leave no
@@ -35,7 +37,8 @@ from scripts.harness.ray_local import MARK_ENV, kill_ray, link_dir, ray_processe
 from scripts.harness.trinity_launch import agreement, exit_code, numbers, problems
 
 STEPS = 2
-OUT = REPO / "runs" / "test-trinity-run"
+OUT = REPO / "runs" / "test-trinity-run #1: yaml"  # a comment and a mapping in YAML text
+LONG_TMPDIR = 120  # characters: an HPC job's TMPDIR, too long to hold Ray's sockets
 EXAMPLE = REPO / "examples" / "bapo_gsm8k" / "gsm8k.yaml"
 BAPO_METRICS = ["clip_low", "clip_high", "positive_contribution", "target_met", "search_steps"]
 START, FAR = (0.6, 1.2), (0.9, 3.0)  # the paper's start pair and its grid's last pair
@@ -67,8 +70,8 @@ def until(condition, timeout_s: float, what: str) -> float:
 class Launch:
     """``python -m scripts.trinity_run`` on ``out``, leading a process group, read as it prints."""
 
-    def __init__(self, out: Path, *args):
-        """Start it; its stdout lines gather in ``lines``, its stderr in a file."""
+    def __init__(self, out: Path, *args, env=None):
+        """Start it, in ``env`` or else this one's: stdout lines to ``lines``, stderr to a file."""
         self.out, self.lines, self.err = out, list[str](), tempfile.TemporaryFile("w+")
         cmd = [sys.executable, "-m", "scripts.trinity_run", "--out", out, *args]
         self.proc = subprocess.Popen(
@@ -78,6 +81,7 @@ class Launch:
             stderr=self.err,
             text=True,
             start_new_session=True,
+            env=env,
         )
         self.reader = threading.Thread(target=self.read, daemon=True)
         self.reader.start()
@@ -123,11 +127,20 @@ def second_launch(out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run():
+def long_tmpdir():
+    """A folder of ``LONG_TMPDIR`` characters, removed afterwards with what the run left there."""
+    with tempfile.TemporaryDirectory() as short:
+        folder = Path(short) / ("t" * (LONG_TMPDIR - len(short) - 1))
+        folder.mkdir()
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def run(long_tmpdir):
     """The launch, its JSON report, what it left behind, and a second launch refused meanwhile."""
     ray_home, status = Path.home() / ".ray", git_status()
     before, started = snapshot(ray_home), time.monotonic()
-    first = Launch(OUT, "--steps", STEPS)
+    first = Launch(OUT, "--steps", STEPS, env={**os.environ, "TMPDIR": str(long_tmpdir)})
     try:
         until(lambda: training(first) or first.proc.poll() is not None, 600, "a loss call")
         second = second_launch(OUT) if first.proc.poll() is None else None
@@ -135,12 +148,16 @@ def run():
         code = first.end(900)
     seconds = time.monotonic() - started
     assert code == 0 and first.lines, f"exit {code}\n{first.output()}"
+    with pytest.MonkeyPatch.context() as patch:  # the link the launch made under its TMPDIR
+        patch.setattr(tempfile, "tempdir", str(long_tmpdir))
+        link = link_dir(OUT / "ray")
     return dict(
         report=json.loads(first.lines[-1]),
         progress=first.lines[:-1],
         ray_home_unchanged=snapshot(ray_home) == before,
         git_status_new=sorted(git_status() - status),
-        link_left=link_dir(OUT / "ray").exists(),  # its own: another run's may be up meanwhile
+        link=link,
+        link_left=link.exists(),  # its own: another run's may be up meanwhile
         left_running=ray_processes(OUT / "ray"),
         seconds=seconds,
         second=second,
@@ -206,9 +223,11 @@ def test_the_last_step_is_saved(run):
 def test_the_run_trained_the_examples_algorithm_and_trainer_settings(run):
     example, used = (yaml.safe_load(p.read_text()) for p in (EXAMPLE, OUT / "config.yaml"))
     assert used["mode"] == "train" and used["cluster"]["gpu_per_node"] == 2
+    assert used["model"]["model_path"] == str(OUT / "model")  # the folder's name whole
     assert used["algorithm"]["algorithm_type"] == example["algorithm"]["algorithm_type"] == "bapo"
-    kept = example["trainer"].keys() - {"max_token_len_per_gpu"}  # the CPU's budget is written
-    assert kept  # over by the launcher; every other trainer setting of the example is the run's
+    # the launcher writes the CPU's token budget and the run's length over the example's
+    kept = example["trainer"].keys() - {"max_token_len_per_gpu", "total_steps", "save_interval"}
+    assert kept  # every other trainer setting of the example is the run's
     for key in kept:
         assert used["trainer"][key] == example["trainer"][key]
 
@@ -218,6 +237,7 @@ def test_nothing_left_running_or_written_outside_runs(run):
     assert run["ray_home_unchanged"], "the run wrote under ~/.ray"
     assert run["git_status_new"] == [], "the run wrote into the checkout outside runs/"
     assert not run["link_left"], "the short link to Ray's temp dir is left"
+    assert run["link"].parent == Path("/tmp")  # its TMPDIR was too long for Ray's sockets
     print(f"trinity-run test launch: {run['seconds']:.0f} s")
 
 
