@@ -652,10 +652,9 @@ def test_mode_both_config_passes_trinitys_checks_with_the_staleness_asked_for(tm
         3,
     )
     assert config.synchronizer.sync_offset == 1 and config.explorer.rollout_model.engine_num == 1
-    assert (
-        config.cluster.gpu_per_node == 3
-        and config.buffer.trainer_input.experience_buffer.storage_type == "queue"
-    )
+    queue = config.buffer.trainer_input.experience_buffer
+    assert config.cluster.gpu_per_node == 3 and queue.storage_type == "queue"
+    assert queue.path.startswith(f"{tmp_path}{os.sep}")  # its copy kept inside the run's folder
 
 
 def test_mode_both_says_what_is_missing():

@@ -257,12 +257,17 @@ def mode_settings(out: Path, rollout: Optional[Rollout]) -> dict:
     """A mode's own settings: the buffer's sqlite URL, or the task set and the synchronizer's.
 
     The URL's path is %-escaped, as SQLAlchemy reads it: a ``"?"`` in it would start the query.
+    The queue of ``mode: both`` gets no path, so that Trinity keeps its copy in the run's folder
+    (under the checkpoints), where the example's path would keep it outside.
     """
     if rollout is None:
         url = "sqlite:///" + quote(str(out / "buffer.db"))
         return {"buffer": {"trainer_input": {"experience_buffer": {"path": url}}}}
     return {
-        "buffer": {"explorer_input": {"taskset": {"path": str(out / "tasks")}}},
+        "buffer": {
+            "explorer_input": {"taskset": {"path": str(out / "tasks")}},
+            "trainer_input": {"experience_buffer": {"path": None}},
+        },
         "synchronizer": {"sync_interval": rollout.interval, "sync_offset": rollout.offset},
     }
 
