@@ -353,7 +353,7 @@ def holder(path: Path) -> subprocess.Popen:
 
 
 def marked(folder: Path) -> tuple:
-    """A process with the mark of the Ray under ``folder``, and its child without it: the PIDs."""
+    """A process with the mark of the Ray under ``folder``, and its child's PID, without it."""
     env = {**os.environ, MARK_ENV: str(folder.resolve())}
     cmd = [sys.executable, "-c", HIDE, MARK_ENV]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
@@ -368,7 +368,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_that_rays_processes_are_its_marked_ones_and_their_children_and_no_other(tmp_path):
+def test_a_rays_processes_are_its_marked_ones_and_their_children_alone(tmp_path):
     """A child of a marked process is found without the mark; a stranger holding a log is not.
 
     Ray's agents retitle themselves over their environment, mark included; a process of
