@@ -26,7 +26,13 @@ from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 
 from scripts.harness.cpu import cpu_stand_ins
-from scripts.harness.engine import build_engine, engine_batch, full_state_dict, trinity_layout
+from scripts.harness.engine import (
+    build_engine,
+    engine_batch,
+    full_state_dict,
+    trinity_layout,
+    worker_actor,
+)
 from scripts.harness.model import build_model, position_ids_for, save_model
 from scripts.harness.recorder import LossRecorder
 from scripts.harness.tasks import VOCAB_SIZE
@@ -172,35 +178,6 @@ def run_phase(engine, phase: str, options: dict, dp_rank: int, grads_on=False) -
     for call in recorder.calls:
         call["data"] = {key: value.tolist() for key, value in call.pop("inputs").items()}
     return record
-
-
-class EngineActor:
-    """verl's TrainingWorker as far as Trinity's worker uses it: the engine and the loss set.
-
-    ``train_batch`` is one optimizer update, the call TrainingWorker makes on its engine.
-    """
-
-    def __init__(self, engine):
-        """The engine, its config (micro-batch settings), and no loss yet."""
-        self.engine, self.engine_config, self.loss_fn = engine, engine.engine_config, None
-
-    def set_loss_fn(self, loss_fn):
-        """As TrainingWorker.set_loss_fn."""
-        self.loss_fn = loss_fn
-
-    def train_batch(self, data):
-        """As TrainingWorker.train_batch, less its metrics' post-processing."""
-        return self.engine.train_batch(data, loss_function=self.loss_fn)
-
-
-def worker_actor(engine, algo_config):
-    """The actor of Trinity's worker after ``set_trinity_config`` (no Ray: the method alone)."""
-    from trinity.trainer.verl.workers import TrinityActorRolloutRefWorker
-
-    worker = object.__new__(TrinityActorRolloutRefWorker)
-    worker.actor = EngineActor(engine)
-    worker.set_trinity_config(algo_config, "vllm", "engine-checks")
-    return worker.actor
 
 
 def run_update_phase(engine, phase: str, dp_rank: int, grads_on: bool) -> dict:

@@ -5,9 +5,7 @@ The engine Trinity's actor trains with runs unchanged on CPU given gloo, eager a
 ``train_batch`` splits the batch into micro-batches and calls the loss with its dp group.
 """
 
-from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Dict, cast
 
 import torch
@@ -41,19 +39,37 @@ def build_engine(model_dir: Path, strategy="fsdp2", lr=3e-3, sp_size=1, micro_ba
     return engine
 
 
-def worker_loss(engine, algo_config):
-    """The loss Trinity's actor worker sets on ``engine`` (``set_trinity_config``, without Ray).
+class EngineActor:
+    """verl's TrainingWorker as far as Trinity's worker uses it: the engine and the loss set.
 
-    For a policy loss with ``optimizer_update`` the worker also wraps the engine's
-    ``train_batch`` (one optimizer update) in it, so the update's pass runs as in production.
+    ``train_batch`` is one optimizer update, the call TrainingWorker makes on its engine.
+    """
+
+    def __init__(self, engine):
+        """The engine, its config (micro-batch settings), and no loss yet."""
+        self.engine, self.engine_config, self.loss_fn = engine, engine.engine_config, None
+
+    def set_loss_fn(self, loss_fn):
+        """As TrainingWorker.set_loss_fn."""
+        self.loss_fn = loss_fn
+
+    def train_batch(self, data):
+        """As TrainingWorker.train_batch, less its metrics' post-processing."""
+        return self.engine.train_batch(data, loss_function=self.loss_fn)
+
+
+def worker_actor(engine, algo_config) -> EngineActor:
+    """The actor of Trinity's worker after ``set_trinity_config`` (no Ray: the method alone).
+
+    Its ``train_batch`` is then the worker's ``train_batch_in_update``: one optimizer update in
+    the policy loss's ``optimizer_update``, so an update's pass runs as in production.
     """
     from trinity.trainer.verl.workers import TrinityActorRolloutRefWorker
 
-    worker = object.__new__(TrinityActorRolloutRefWorker)  # the method alone: no Ray, no model
-    worker.actor = SimpleNamespace(engine=engine)
-    worker.actor.set_loss_fn = partial(setattr, worker.actor, "loss_fn")
+    worker = object.__new__(TrinityActorRolloutRefWorker)
+    worker.actor = EngineActor(engine)
     worker.set_trinity_config(algo_config, "vllm", "harness")
-    return worker.actor.loss_fn
+    return worker.actor
 
 
 def engine_batch(data: TensorDict, micro_batch_size: int, use_remove_padding=False) -> TensorDict:

@@ -28,7 +28,7 @@ from scripts.harness.engine import (
     engine_batch,
     full_state_dict,
     trinity_layout,
-    worker_loss,
+    worker_actor,
 )
 from scripts.harness.launch import gather_rows
 from scripts.harness.model import build_model, sample_responses, save_model
@@ -153,7 +153,8 @@ def train(run: Variant, seed: int, setting: Setting, out: Path, args) -> None:
     sequences = setting.prompts * setting.group_size // setting.mini_batches
     micro = sequences // setting.micro_batches
     engine = fresh_engine(behaviour, setting.lr, micro, seed)
-    loss_fn = worker_loss(engine, loss_config(run.loss, run.args))
+    actor = worker_actor(engine, loss_config(run.loss, run.args))
+    loss_fn = actor.loss_fn
     recorder = LossRecorder(loss_fn, engine.get_data_parallel_group(), keep_inputs=True)
     upper_first = run.loss == "bapo" and recorder.upper_first and len(recorder.lower) > 1
     lower = recorder.lower if upper_first else []
@@ -178,7 +179,7 @@ def train(run: Variant, seed: int, setting: Setting, out: Path, args) -> None:
         with engine.train_mode(disable_auto_offload=True):
             for _ in range(setting.epochs):
                 for batch in batches:
-                    result = engine.train_batch(batch, loss_function=loss_fn)
+                    result = actor.train_batch(batch)
                     norms.append(float(result["metrics"]["grad_norm"]))
         snapshots.append(full_state_dict(engine))
         current.load_state_dict(snapshots[-1])
@@ -270,12 +271,12 @@ def bench_update(args) -> None:
             for scope, times in seconds.items():
                 kept = "micro_batch" if scope == "pass" else scope
                 loss_args = {**variant("bapo_paper").args, "search_scope": kept}
-                loss_fn = worker_loss(engine, loss_config("bapo", loss_args))
+                actor = worker_actor(engine, loss_config("bapo", loss_args))
                 started = time.perf_counter()
                 if scope == "pass":
-                    engine.infer_batch(batch, loss_function=loss_fn)
+                    engine.infer_batch(batch, loss_function=actor.loss_fn)
                 else:
-                    engine.train_batch(batch, loss_function=loss_fn)
+                    actor.train_batch(batch)
                 times.append(time.perf_counter() - started)
     median = {scope: statistics.median(times[1:]) for scope, times in seconds.items()}
     if rank == 0:
