@@ -66,10 +66,10 @@ def worker_actor(engine, algo_config) -> EngineActor:
     """
     from trinity.trainer.verl.workers import TrinityActorRolloutRefWorker
 
-    worker = object.__new__(TrinityActorRolloutRefWorker)
-    worker.actor = EngineActor(engine)
+    worker, actor = object.__new__(TrinityActorRolloutRefWorker), EngineActor(engine)
+    worker.actor = cast(Any, actor)  # the part of a TrainingWorker the worker uses
     worker.set_trinity_config(algo_config, "vllm", "harness")
-    return worker.actor
+    return actor
 
 
 def engine_batch(data: TensorDict, micro_batch_size: int, use_remove_padding=False) -> TensorDict:
