@@ -136,7 +136,7 @@ def test_example_resolves_to_bapo_and_builds_the_trainers_loss(job_dirs, name):
     assert config.checkpoint_job_dir.startswith(str(job_dirs / "checkpoints"))
     loss = built_loss(config)
     assert type(loss) is BAPOPolicyLossFn
-    assert (loss.sync_across_dp, loss.ppo.clip_ratio_c, loss.ppo.loss_agg_mode) == (
+    assert (loss.sync_across_dp, loss.ppo_args["clip_ratio_c"], loss.ppo_args["loss_agg_mode"]) == (
         True,
         3.0,
         "token-mean",
@@ -204,7 +204,7 @@ def test_loss_agg_mode_reaches_bapo_and_the_trainer(job_dirs, args, sections, mo
     (job_dirs / "config.yaml").write_text(yaml.safe_dump(example))
     config = load_and_validate(job_dirs / "config.yaml")
     assert config.algorithm.loss_agg_mode == mode
-    assert built_loss(config).ppo.loss_agg_mode == mode
+    assert built_loss(config).ppo_args["loss_agg_mode"] == mode
 
 
 def test_algorithm_type_alone_resolves_to_defaults(tmp_path):
@@ -217,7 +217,7 @@ def test_algorithm_type_alone_resolves_to_defaults(tmp_path):
 def test_sync_flag_reaches_the_loss(tmp_path):
     loss = built_loss(minimal(tmp_path, policy_loss_fn_args={"sync_across_dp": False}))
     assert loss.sync_across_dp is False
-    assert (loss.ppo.clip_ratio_c, loss.ppo.loss_agg_mode) == (
+    assert (loss.ppo_args["clip_ratio_c"], loss.ppo_args["loss_agg_mode"]) == (
         3.0,
         "token-mean",
     )  # the rest: defaults

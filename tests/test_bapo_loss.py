@@ -163,6 +163,17 @@ BAD_ARGUMENTS: list[tuple[dict, str, str]] = [
     # lower_first's cap adds 1.99995 to 10,000 steps of 1e-4: one candidate too many
     (dict(FINE, ratio_upper_max=1.99995, search_order="lower_first"), "ratio_upper_step", STEP),
     (dict(search_scope="step"), "search_scope", "micro_batch or update"),
+    # grids whose candidates round to fewer floats than they count: refused, naming the range
+    (
+        dict(point(0.9, 1.5), ratio_lower_max=0.9000000000000002, ratio_lower_step=1e-18),
+        "ratio_lower_step",
+        "[0.9, 0.9000000000000002]",
+    ),
+    (
+        dict(ratio_upper_start=1.0, ratio_upper_max=1.000000000000001, ratio_upper_step=1e-16),
+        "ratio_upper_step",
+        "[1.0, 1.000000000000001]",
+    ),
 ]
 
 

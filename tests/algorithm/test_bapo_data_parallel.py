@@ -43,44 +43,70 @@ def alone(batches):
     return [metrics["bapo_clip_low"], metrics["bapo_clip_high"]]
 
 
+# The loss's arguments, and whether rank 0 has a NaN log-prob on a live token
+CASES = {"synced": ({}, False), "alone": ({"sync_across_dp": False}, False), "nan": ({}, True)}
+
+
 def run_rank(rank, store):
-    """One rank: the pair that TrinityPolicyLoss, given the group, reports."""
+    """One rank: the pair that TrinityPolicyLoss, given the group, reports in each case."""
     torch.set_num_threads(1)
     group = dict(rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", init_method=f"file://{store}", **group)
+    pairs = {name: rank_pair(rank, *case) for name, case in CASES.items()}
+    (Path(store).parent / f"rank{rank}.json").write_text(json.dumps(pairs))
+    dist.destroy_process_group()
+
+
+def rank_pair(rank, args, nan):
+    """The pair a rank's BAPO, built from ``args`` as the trainer builds it, chooses."""
     data = rank_batch(rank)
+    if nan and rank == 0:
+        data["log_prob"][tuple(data["response_mask"].nonzero()[0])] = float("nan")
     log_prob = torch.cat([data.pop("log_prob"), torch.zeros(len(data["advantages"]), 1)], 1)
     rows, width = data["advantages"].shape  # the prompt is one token: t scores token t + 1
     data["prompts"] = torch.ones(rows, 1, dtype=torch.long)
     data["responses"] = data["response_mask"].long()
     data["attention_mask"] = torch.ones(rows, 1 + width, dtype=torch.long)
     config = AlgorithmConfig(policy_loss_fn="bapo", kl_loss_fn="none", entropy_loss_fn="none")
-    config.policy_loss_fn_args, config.kl_loss_fn_args = {}, {}
+    config.policy_loss_fn_args, config.kl_loss_fn_args = args, {}
     config.entropy_loss_fn_args = {"entropy_coef": 0.0}
     batch = TensorDict(data, batch_size=[rows])
     _, metrics = TrinityPolicyLoss(config)(
         {"log_probs": log_prob.reshape(-1)}, batch, dist.group.WORLD
     )
-    pair = [metrics["actor/bapo_clip_low"], metrics["actor/bapo_clip_high"]]
-    (Path(store).parent / f"rank{rank}.json").write_text(json.dumps(pair))
-    dist.destroy_process_group()
+    return [metrics["actor/bapo_clip_low"], metrics["actor/bapo_clip_high"]]
 
 
 class BAPODataParallelTest(unittest.TestCase):
     """Two ranks with uneven micro-batches, against one process on their union."""
 
-    def test_every_rank_takes_the_pair_of_the_union(self):
-        """A rank alone would choose another pair: the all-reduce makes them agree."""
+    @classmethod
+    def setUpClass(cls):
+        """Run the two ranks once, every case in turn; keep each rank's pairs."""
         with tempfile.TemporaryDirectory() as tmp:
             store = f"{tmp}/store"
             context = mp.start_processes(run_rank, (store,), WORLD, join=False, start_method="fork")
             deadline = time.monotonic() + TIMEOUT  # past it, the ranks' own timeout ends them
             while not context.join(timeout=5):
-                self.assertLess(time.monotonic(), deadline, f"the ranks ran past {TIMEOUT} s")
-            pairs = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(WORLD)]
-        batches = [rank_batch(rank) for rank in range(WORLD)]
-        self.assertEqual(pairs, [alone(batches)] * WORLD)
-        self.assertNotEqual([alone([batch]) for batch in batches], pairs)
+                assert time.monotonic() < deadline, f"the ranks ran past {TIMEOUT} s"
+            ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(WORLD)]
+        cls.pairs = {name: [pairs[name] for pairs in ranks] for name in CASES}
+        cls.batches = [rank_batch(rank) for rank in range(WORLD)]
+
+    def test_every_rank_takes_the_pair_of_the_union(self):
+        """A rank alone would choose another pair: the all-reduce makes them agree."""
+        self.assertEqual(self.pairs["synced"], [alone(self.batches)] * WORLD)
+        self.assertNotEqual([alone([batch]) for batch in self.batches], self.pairs["synced"])
+
+    def test_each_rank_takes_its_own_pair_without_sync_across_dp(self):
+        """``sync_across_dp: false``: no all-reduce, each rank's pair is its own tokens'."""
+        self.assertEqual(self.pairs["alone"], [alone([batch]) for batch in self.batches])
+
+    def test_a_nan_on_one_rank_keeps_the_start_pair_on_every_rank(self):
+        """The NaN makes the union's rho NaN, which is not below rho0, where clean it moves."""
+        start = [0.6, 1.2]  # (a-, a+): the pair before any raise
+        self.assertEqual(self.pairs["nan"], [start] * WORLD)
+        self.assertNotEqual(alone(self.batches), start)
 
 
 class BAPOTinkerTest(unittest.TestCase):

@@ -2,6 +2,8 @@
 
 On stale data negative-advantage tokens dominate the update: BAPO raises c_low and c_high inside
 movable ranges until positive tokens carry a share rho0 of the loss (Eq. 8), over the dp_group.
+A bad argument raises a ValueError naming it where the loss is built: when the trainer starts,
+or at config validation where that builds the loss.
 With ``search_scope: update`` the pair is chosen once per optimizer update instead, from a pass
 over the update's micro-batches that the trainer runs first (``optimizer_update``).
 """
@@ -9,7 +11,7 @@ over the update's micro-batches that the trainer runs first (``optimizer_update`
 import math
 from contextlib import contextmanager
 from fractions import Fraction
-from typing import Callable, Dict, List, Optional, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -42,7 +44,10 @@ def candidates(name: str, start, maximum, step, low: float, high: float, cap: bo
     if not (d > 0 and (b - a) // d + 1 + (cap and (b - a) % d != 0) <= MAX_CANDIDATES):
         raise ValueError(f"BAPO: `{name}_step` must be > 0, for {MAX_CANDIDATES} bounds at most")
     grid = [float(a + k * d) for k in range((b - a) // d + 1)]
-    return grid + [maximum] if cap and grid[-1] < maximum else grid
+    grid += [maximum] if cap and grid[-1] < maximum else []
+    if any(c >= next_c for c, next_c in zip(grid, grid[1:])):  # the buckets need distinct bounds
+        raise ValueError(f"BAPO: `{name}_step` {step} is finer than floats in [{start}, {maximum}]")
+    return grid
 
 
 def below(ratio: torch.Tensor, bounds: List[float], capped: bool) -> torch.Tensor:
@@ -66,14 +71,15 @@ class BAPOPolicyLossFn(PolicyLossFn):
         ratio_upper_start: float = 1.2,  # a+, the first c_high tried
         ratio_upper_max: float = 3.0,  # b+, the highest c_high
         ratio_upper_step: float = 0.05,  # delta1, the step of c_high
-        positive_contribution_target: float = 0.4,  # rho0, the share A > 0 must carry in Eq. 8
+        # rho0 (Eq. 8): 0.4 in the paper's Sec. 5.1; the authors' README: 0.5 "as used in the paper"
+        positive_contribution_target: float = 0.4,
         search_order: str = "upper_first",  # Algorithm 1; lower_first: the authors' code
         clip_ratio_c: float = 3.0,  # C, PPO's dual clip for A < 0
         loss_agg_mode: str = "token-mean",
         sync_across_dp: bool = True,  # choose over the dp_group that the trainer passes
         search_scope: str = "micro_batch",  # update: one pair per optimizer update
     ) -> None:
-        """Check every argument a config can hold, so that a bad one fails at validation."""
+        """Check every argument a config can hold, each refused with a ValueError naming it."""
         super().__init__(backend=backend)
         if not isinstance(sync_across_dp, bool):  # a quoted 'false' from YAML would sync
             raise ValueError(f"BAPO: `sync_across_dp` must be true or false: {sync_across_dp!r}")
@@ -91,11 +97,13 @@ class BAPOPolicyLossFn(PolicyLossFn):
         self.lower = candidates("ratio_lower", *lower, cap=not self.upper_first)
         self.upper = candidates("ratio_upper", *upper, cap=not self.upper_first)
         if self.upper_first and len(self.lower) == 1 and len(self.upper) > 1:  # c_high would stay
-            raise ValueError(
-                "BAPO: upper_first needs `ratio_lower_max` room for a step of c_low, or lower_first"
-            )
+            raise ValueError("BAPO: upper_first needs `ratio_lower_max` room; or use lower_first")
+        lows, highs = range(len(self.lower)), range(len(self.upper))  # (i, j): (c_low, c_high)
+        high_first = [(0, j) for j in highs] + [(i, highs[-1]) for i in lows[1:]]  # Algorithm 1
+        low_first = [(i, 0) for i in lows] + [(lows[-1], j) for j in highs[1:]]  # authors' code
+        self.path = high_first if self.upper_first else low_first
         self.sync_across_dp = sync_across_dp
-        self.ppo = PPOPolicyLossFn(backend, 0, 0, 0, clip_ratio_c, loss_agg_mode)  # pair per call
+        self.ppo_args: Dict[str, Any] = dict(clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode)
         if search_scope not in ("micro_batch", "update"):
             raise ValueError("BAPO: `search_scope` must be micro_batch or update")
         self.per_update = search_scope == "update"
@@ -103,13 +111,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         self._fixed: Optional[Tuple[int, int, float]] = None  # the update's pair and rho
 
     def __call__(  # type: ignore
-        self,
-        logprob: torch.Tensor,
-        old_logprob: torch.Tensor,
-        action_mask: torch.Tensor,
-        advantages: torch.Tensor,
-        dp_group=None,
-        **kwargs,
+        self, logprob, old_logprob, action_mask, advantages, dp_group=None, **kwargs
     ) -> Tuple[torch.Tensor, Dict]:
         """The clip pair chosen over the dp_group, and PPO's loss and metrics at that pair."""
         group = dp_group if self.sync_across_dp and dist.is_initialized() else None
@@ -120,14 +122,13 @@ class BAPOPolicyLossFn(PolicyLossFn):
                 "BAPO: `search_scope: update` needs the trainer's pass over each optimizer "
                 "update's data (Trinity's verl engine worker runs it); none ran for this call"
             )
-        log_ratio, advantages, low, high, sums = self._prepare(
-            logprob, old_logprob, action_mask, advantages
-        )
+        log_r, advantages, c, sums = self._prepare(logprob, old_logprob, action_mask, advantages)
         if group is not None and self._fixed is None:  # the fixed pair needs no collective
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)  # Eq. 8 on the ranks' union
         i, j, rho = self._fixed or self._search(sums.tolist())
-        self.ppo.clip_range_low, self.ppo.clip_range_high = 1.0 - low[i], high[j] - 1.0  # PPO's eps
-        pg_loss, metrics = self.ppo(log_ratio, log_ratio.new_zeros(()), action_mask, advantages)
+        eps = dict(clip_range_low=1 - c[i], clip_range_high=c[len(self.lower) + j] - 1)  # PPO's
+        ppo = PPOPolicyLossFn(backend=self.backend, **eps, **self.ppo_args)
+        pg_loss, metrics = ppo(log_r, log_r.new_zeros(()), action_mask, advantages)
         return pg_loss, {
             "bapo_clip_low": self.lower[i],
             "bapo_clip_high": self.upper[j],
@@ -174,44 +175,42 @@ class BAPOPolicyLossFn(PolicyLossFn):
         self._fixed = self._search(state["sums"].tolist())
 
     def _prepare(self, logprob, old_logprob, action_mask, advantages):
-        """Log-ratio, advantages (masked tokens zeroed), bounds in the ratio's dtype, Eq. 8 sums."""
-        # [P..., N...] in float64: P = sum_{A>0} A min(r, c_high), N = sum_{A<0} |A| max(r, c_low)
+        """Log-ratio and advantages for PPO (masked tokens zeroed), the candidates c, Eq. 8's sums.
+
+        [P at each c_high, N at each c_low], from each token's bucket: how many candidates lie
+        below its r (a tie r = c may go either side: min(r, c) = r = c), by the sign of its A.
+        """
         advantages = torch.where(action_mask.bool(), advantages, 0.0)
-        log_ratio = torch.where(action_mask.bool(), logprob - old_logprob, 0.0)
-        ratio = torch.exp(torch.clamp(log_ratio.detach(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        bounds = torch.tensor(self.lower + self.upper, dtype=ratio.dtype)  # as clamp rounds them
+        log_r = torch.where(action_mask.bool(), logprob - old_logprob, 0.0)
+        ratio = torch.exp(torch.clamp(log_r.detach(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        c = torch.tensor(self.lower + self.upper, dtype=ratio.dtype)  # as torch.clamp rounds them
         a, r = advantages.detach().reshape(-1).double(), ratio.reshape(-1).double()
-        # Bucket: the bounds below r (a tie r = c goes either side: min(r, c) = r = c), by A's sign
         n, capped = len(self.lower), not self.upper_first  # lower_first: a grid may be capped
-        size = n + len(self.upper) + 1  # buckets in each half
-        index = below(r, self.lower, capped) + below(r, self.upper, capped)
-        index = index.add_(a.sign().neg_().clamp_(min=0), alpha=size).nan_to_num_().long()
-        if ratio.dtype == torch.float16:  # its exp overflows past 11.09: A = 0 adds 0, not 0 * inf
-            r = r.masked_fill(a == 0, 0.0)
-        bins = [a.new_zeros(2 * size).index_add_(0, index, v) for v in (a.abs() * r, a.abs())]
-        bins = torch.stack(bins).view(2, 2, size)  # [|A| r or |A|, sign half, bucket]
-        below_c, above_c = bins.cumsum(-1)[..., :-1], bins.flip(-1).cumsum(-1).flip(-1)[..., 1:]
-        c = bounds.to(a, non_blocking=True)  # from the host, waiting on nothing
-        upper = below_c[0, 0, n:] + c[n:] * above_c[1, 0, n:]  # P at each c_high (r <= c)
-        lower = above_c[0, 1, :n] + c[:n] * below_c[1, 1, :n]  # N at each c_low (r > c)
-        sums = torch.cat([upper, lower]).masked_fill(bins.isnan().any(), math.nan)
-        return log_ratio, advantages, bounds[:n].tolist(), bounds[n:].tolist(), sums
+        buckets = n + len(self.upper) + 1  # in each half
+        bucket = below(r, self.lower, capped) + below(r, self.upper, capped)
+        negative_half = a.sign().neg_().clamp_(min=0)  # 1 where A < 0
+        # A NaN's bucket is 0, in P's half: P is NaN at every c_high, and so is rho. A float16 r
+        # past 65504 is inf, in the last bucket, which P never reads: A = 0 there adds no 0 * inf.
+        bucket = bucket.add_(negative_half, alpha=buckets).nan_to_num_().long()
+        sums = [a.new_zeros(2 * buckets).index_add_(0, bucket, v) for v in (a.abs() * r, a.abs())]
+        by_bucket = torch.stack(sums).view(2, 2, buckets)  # [|A| r or |A|, sign half, bucket]
+        at_most_c = by_bucket.cumsum(-1)[..., :-1]  # over the tokens with r <= c_k
+        above_c = by_bucket.flip(-1).cumsum(-1).flip(-1)[..., 1:]  # over those with r > c_k
+        c64 = c.to(a, non_blocking=True)  # from the host, waiting on nothing
+        positive = at_most_c[0, 0, n:] + c64[n:] * above_c[1, 0, n:]  # sum_{A>0} A min(r, c)
+        negative = above_c[0, 1, :n] + c64[:n] * at_most_c[1, 1, :n]  # sum_{A<0} |A| max(r, c)
+        return log_r, advantages, c.tolist(), torch.cat([positive, negative])
 
     def _search(self, sums: List[float]) -> Tuple[int, int, float]:
         """Indices of (c_low, c_high) and rho there: the path's first pair with rho not < rho0."""
-        # A NaN rho (a NaN on any rank) is not < rho0: every rank keeps the start pair.
-        n_lower, n_upper = len(self.lower), len(self.upper)
-        positive, negative = sums[:n_upper], sums[n_upper:]
+        positive, negative = sums[: len(self.upper)], sums[len(self.upper) :]
 
-        def rho(i: int, j: int) -> float:
+        def rho(i: int, j: int) -> float:  # Eq. 8; 1 where no token counts
             total = positive[j] + negative[i]
             return 1.0 if total == 0 else positive[j] / total
 
-        if self.upper_first:
-            path = [(0, j) for j in range(n_upper)] + [(i, n_upper - 1) for i in range(1, n_lower)]
-        else:
-            path = [(i, 0) for i in range(n_lower)] + [(n_lower - 1, j) for j in range(1, n_upper)]
-        i, j = next((pair for pair in path if not rho(*pair) < self.target), path[-1])
+        # A NaN rho (a NaN on any rank) is not < rho0: every rank keeps the start pair.
+        i, j = next((pair for pair in self.path if not rho(*pair) < self.target), self.path[-1])
         return i, j, rho(i, j)
 
     @classmethod
