@@ -15,9 +15,11 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import pytest
+
+from tests.forked_pytest import Server
 
 REPO = Path(__file__).resolve().parents[1]
 SDIST = REPO / "build" / "sdist" / "trinity_rft-0.6.0.tar.gz"
@@ -143,14 +145,29 @@ def own_tests(name: str) -> list[str]:
     return sorted(rel for rel in PULL_REQUESTS[name][1] if rel.startswith("tests/"))
 
 
-def pytest_in(tree: Path, files, path=(), *options: str) -> subprocess.CompletedProcess:
-    """Run test files with pytest against the tree's code (after ``path``)."""
-    return run(
-        sys.executable,
-        *("-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *options, *files),
-        cwd=tree,
-        PYTHONPATH=os.pathsep.join([*map(str, path), str(tree)]),
-    )
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[Server]:
+    """The process the runs of pytest in a tree fork from, torch and verl imported once."""
+    started = Server(tmp_path_factory.mktemp("server"))
+    yield started
+    started.close()
+
+
+def pytest_in(
+    server: Server, tree: Path, files, path=(), *options: str
+) -> subprocess.CompletedProcess:
+    """Run test files with pytest against the tree's code (after ``path``, whose hook runs first).
+
+    As `python -m pytest` with ``PYTHONPATH`` would, forked from ``server``, with a timeout.
+    """
+    env = {
+        **os.environ,
+        "GIT_CEILING_DIRECTORIES": str(tree.parent),
+        "PYTHONPATH": os.pathsep.join([*map(str, path), str(tree)]),
+    }
+    hook = next((h for p in path if (h := Path(p) / "sitecustomize.py").exists()), None)
+    args = ["-q", "-rfE", "-p", "no:cacheprovider", *options, *files]
+    return server.pytest(tree, args, env, hook, timeout=600)
 
 
 # What a file of a pull request must not name: this repository's tooling and layout
@@ -319,18 +336,18 @@ def test_every_touched_file_equals_ours(applied, tmp_path) -> None:
             assert ours == (SITE / rel).read_bytes(), f"{rel} differs from the installed file"
 
 
-def test_own_tests_pass_against_the_patched_tree(applied) -> None:
+def test_own_tests_pass_against_the_patched_tree(applied, server) -> None:
     name, tree, _ = applied
     where = run(sys.executable, "-c", "import trinity; print(trinity.__file__)", cwd=tree)
     assert Path(where.stdout.strip()).is_relative_to(tree), where.stderr
     files = own_tests(name)
     count = sum((REPO / rel).read_text().count("\n    def test_") for rel in files)
-    done = pytest_in(tree, files)
+    done = pytest_in(server, tree, files)
     assert done.returncode == 0 and f"{count} passed" in done.stdout, done.stdout[-3000:]
 
 
 def test_config_fix_test_fails_on_the_released_tree_as_its_description_counts(
-    written, tmp_path_factory
+    written, tmp_path_factory, server
 ) -> None:
     """The description's "all N tests pass ... on the released tree, M of them fail"."""
     stated = re.search(
@@ -344,17 +361,17 @@ def test_config_fix_test_fails_on_the_released_tree_as_its_description_counts(
     tree = fresh_tree(tmp_path_factory)
     (tree / FIX_TEST).parent.mkdir(parents=True)
     (tree / FIX_TEST).write_bytes((REPO / FIX_TEST).read_bytes())
-    done = pytest_in(tree, [FIX_TEST])
+    done = pytest_in(server, tree, [FIX_TEST])
     summary = f"{failing} failed, {total - failing} passed"
     assert done.returncode == 1 and summary in done.stdout, done.stdout[-3000:]
 
 
-def test_bapo_tests_pass_with_the_config_fix_too(written, tmp_path_factory) -> None:
+def test_bapo_tests_pass_with_the_config_fix_too(written, tmp_path_factory, server) -> None:
     """The validator's BAPO check builds the trainer's loss under either loss_agg_mode rule."""
     tree = patched_tree("bapo", written, tmp_path_factory)
     done = run("git", "apply", written / "trinity-rft-loss-agg-mode.patch", cwd=tree)
     assert done.returncode == 0, done.stderr
-    done = pytest_in(tree, own_tests("bapo"), (), "-k", "BAPOTinkerTest")
+    done = pytest_in(server, tree, own_tests("bapo"), (), "-k", "BAPOTinkerTest")
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
 
 
@@ -401,7 +418,9 @@ HOOKS["all_reduce_does_nothing"] = NO_ALL_REDUCE
 
 
 @pytest.mark.parametrize("breakage", sorted(BREAKAGES))
-def test_bapo_tests_fail_when_a_claim_is_undone(breakage, written, tmp_path_factory) -> None:
+def test_bapo_tests_fail_when_a_claim_is_undone(
+    breakage, written, tmp_path_factory, server
+) -> None:
     tree, path = patched_tree("bapo", written, tmp_path_factory), []
     if breakage in HOOKS:  # in the test process, and the ranks it forks
         path.append(tmp_path_factory.mktemp("hook"))
@@ -420,7 +439,7 @@ def test_bapo_tests_fail_when_a_claim_is_undone(breakage, written, tmp_path_fact
         rel = "trinity/algorithm/policy_loss_fn/policy_loss_fn.py"
         (tree / rel).write_bytes((fresh_tree(tmp_path_factory) / rel).read_bytes())
     test = BREAKAGES[breakage]  # run alone, so that no other test's setup is paid for
-    done = pytest_in(tree, own_tests("bapo"), path, "-k", test.split("::")[-1])
+    done = pytest_in(server, tree, own_tests("bapo"), path, "-k", test.split("::")[-1])
     failed = re.findall(r"^(?:SUB)?(?:FAILED|ERROR)\b.*?(tests/\S+::\S+)", done.stdout, re.M)
     assert done.returncode == 1 and any(test in name for name in failed), done.stdout[-3000:]
 
@@ -514,7 +533,7 @@ UPDATE_BREAKAGES = {
 
 @pytest.mark.parametrize("breakage", sorted(UPDATE_BREAKAGES))
 def test_update_scope_tests_fail_when_the_hook_is_undone(
-    breakage, written, tmp_path_factory
+    breakage, written, tmp_path_factory, server
 ) -> None:
     """Undo a claim the fourth rests on: the test of that claim fails.
 
@@ -526,7 +545,7 @@ def test_update_scope_tests_fail_when_the_hook_is_undone(
     text = (tree / rel).read_text()
     assert text.count(old) == 1
     (tree / rel).write_text(text.replace(old, new))
-    done = pytest_in(tree, [UPDATE_TEST], (), "-k", test)
+    done = pytest_in(server, tree, [UPDATE_TEST], (), "-k", test)
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.M)
     assert done.returncode == 1 and any(test in name for name in failed), done.stdout[-3000:]
 
