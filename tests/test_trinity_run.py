@@ -692,14 +692,13 @@ def test_the_short_link_goes_where_rays_sockets_fit_under_a_long_tmpdir(tmp_path
     monkeypatch.setattr(tempfile, "tempdir", str(long))  # what gettempdir() read from TMPDIR
     link = link_dir(tmp_path / "ray")
     assert link.parent == Path("/tmp")  # where Ray's own /tmp/ray goes
-    # Ray's longest socket path: its session (the time, the head's largest PID), plasma's socket
-    session = f"session_{time.strftime('%Y-%m-%d_%H-%M-%S')}_000000_"
-    session += Path("/proc/sys/kernel/pid_max").read_text().strip()
-    validate_socket_filepath(str(link / "tmp" / session / "sockets" / "plasma_store"))
+    # Ray's longest socket path: the folder of one start (its time, the head's largest PID), then
+    # plasma's socket
+    start = f"session_{time.strftime('%Y-%m-%d_%H-%M-%S')}_000000_"
+    start += Path("/proc/sys/kernel/pid_max").read_text().strip()
+    validate_socket_filepath(str(link / "tmp" / start / "sockets" / "plasma_store"))
     with pytest.raises(OSError, match="cannot exceed 107 bytes"):  # the check holds under TMPDIR
-        validate_socket_filepath(
-            str(long / link.name / "tmp" / session / "sockets" / "plasma_store")
-        )
+        validate_socket_filepath(str(long / link.name / "tmp" / start / "sockets" / "plasma_store"))
 
 
 def test_a_temp_dir_that_leaves_rays_sockets_no_room_is_refused_naming_it(tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ RAY = str(Path(sys.executable).parent / "ray")
 MARK_ENV = "BAPO_RAY_FOLDER"  # the folder of the Ray a process belongs to
 PORTS = ["dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port"]
 PORTS += ["metrics-export-port", "ray-client-server-port", "runtime-env-agent-port"]
-# The longest path Ray gives a socket under its temp dir: its session, named by the start's time
+# The longest path Ray gives a socket under its temp dir: the folder of one start, named by its time
 # and the head's PID (at most 7 digits), then the plasma store's socket. At most 107 bytes.
 RAY_SOCKET = "session_2000-01-01_00-00-00_000000_4194304/sockets/plasma_store"
 SOCKET_MAX = 107
