@@ -15,13 +15,13 @@ VLLM_PYTHON := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.deps-installed
 BOTH := $(filter both --mode=both,$(TRINITY_RUN_ARGS))
 
-.PHONY: setup setup-vllm test test-async lint pr demo trinity-run bench experiment sensitivity dp-check unpatch clean
+.PHONY: setup setup-vllm wheel test test-async lint pr demo trinity-run bench experiment sensitivity dp-check unpatch clean
 
-# Installing the pins is slow, so it is stamped. Applying the patch series and copying our
-# modules into trinity-rft is a cheap hash check and runs every time, so an edit under trinity/
-# reaches the installed package (a no-op when nothing changed).
+# Installing the pins is slow, so it is stamped. The patched trinity-rft wheel (make wheel) is
+# stamped by its version: its label is a digest of patches/series and trinity/, so an edit there
+# rebuilds and reinstalls it, and a setup with nothing changed only compares the two.
 setup: $(DEPS_STAMP)
-	$(PYTHON) scripts/trinity_patches.py apply
+	$(PYTHON) -m scripts.make_wheel --install $(PYTHON)
 
 $(DEPS_STAMP): pyproject.toml constraints.txt
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -36,8 +36,8 @@ $(DEPS_STAMP): pyproject.toml constraints.txt
 # requirements less torchvision, torchaudio, opencv (which wants numpy 2; verl wants numpy < 2)
 # and mistral_common's image extra; xgrammar 0.2.9 although it asks for transformers < 5. No
 # bytecode is compiled at install (--no-compile): Python writes it for what a run imports.
-setup-vllm: $(VLLM_STAMP)
-	$(VLLM_PYTHON) scripts/trinity_patches.py apply
+setup-vllm: $(DEPS_STAMP) $(VLLM_STAMP)
+	$(PYTHON) -m scripts.make_wheel --install $(VLLM_PYTHON)
 
 $(VLLM_STAMP): requirements-vllm.txt
 	test -x $(VLLM_PYTHON) || $(PY) -m venv $(VLLM_VENV)
@@ -52,6 +52,11 @@ test: setup
 # Trinity's asynchronous loop (mode: both, a vLLM explorer), apart from `make test` for its time.
 test-async: setup setup-vllm
 	VLLM_PYTHON=$(VLLM_PYTHON) $(PYTHON) -m pytest tests/async_loop $(PYTEST_ARGS)
+
+# dist/trinity_rft-0.6.0+bapo.<digest>-py3-none-any.whl: the release wheel with the series
+# applied and our modules added, for `pip install --no-deps` in any environment
+wheel: $(DEPS_STAMP)
+	$(PYTHON) -m scripts.make_wheel
 
 # Trinity-RFT's checks: black, isort, flake8 with docstrings (.flake8), mypy (pyproject.toml).
 # trinity/ ships upstream, where Python 3.10 is the floor: a second mypy pass reads typeshed's
@@ -95,9 +100,9 @@ dp-check: setup
 	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$(RANKS) \
 		-m scripts.harness.dp_worker by-hand $(DP_ARGS)
 
-# Restores the installed trinity-rft to its released files.
+# Back to the released trinity-rft in .venv (the next `make setup` installs the wheel again).
 unpatch:
-	$(PYTHON) scripts/trinity_patches.py revert
+	$(PYTHON) -m pip install --quiet --force-reinstall --no-deps trinity-rft==0.6.0
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info runs .pytest_cache .mypy_cache

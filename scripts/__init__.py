@@ -1,1 +1,1 @@
-"""The project's scripts (demo, experiment, bench, pull requests, patch tool) and their harness."""
+"""The project's scripts (demo, experiment, bench, the wheel, pull requests) and their harness."""

@@ -4,39 +4,35 @@ The longest test files are collected first, so that pytest-xdist's workers, whic
 in that order (``make test``), finish together rather than one waiting on another's last file.
 """
 
-import subprocess
-import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
-from scripts.harness.launch import REPO, tail, torchrun
+from scripts.harness.launch import tail, torchrun
+from scripts.make_wheel import RELEASE, label
 from tests.ranks import rank_records
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Stop before testing installed copies that differ from the repo (`make setup` copies)."""
-    tool = REPO / "scripts" / "trinity_patches.py"
-    done = subprocess.run(
-        [sys.executable, str(tool), "status"], capture_output=True, text=True, timeout=120
-    )
-    if done.returncode != 0:
+    """Stop before testing an install that is not the wheel of this checkout (`make setup`)."""
+    expected, installed = f"{RELEASE}+{label()}", version("trinity-rft")
+    if installed != expected:
         pytest.exit(
-            "the installed trinity-rft is not patched, or our installed modules differ from "
-            f"trinity/; run `make setup` first.\n{done.stdout}{done.stderr}",
+            f"the installed trinity-rft is {installed}, not {expected}, the wheel of patches/ "
+            "and trinity/ as they are now; run `make setup` first",
             returncode=1,
         )
 
 
 # the files that take longest, longest first (worker-seconds on 2 cores: about 210, 165, 125, 80,
-# 35, 30, 13, 10 and 8), so that the workers, each taking the next file when it is free, end
+# 30, 13, 10 and 8), so that the workers, each taking the next file when it is free, end
 # together
 SLOW_FILES = (
     "test_scripts.py",
     "test_trinity_run.py",
     "test_engine.py",
     "test_make_pr.py",
-    "test_patch_tool.py",
     "test_bapo_distributed.py",
     "test_bapo_loss.py",
     "test_environment.py",
