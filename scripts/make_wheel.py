@@ -106,10 +106,10 @@ def build(dist: Path = REPO / "dist", root: Path = REPO, downloads: Path = DOWNL
         pack = [*wheel, "pack", str(tree), "-d", str(packed), "--local-version", label(root)]
         subprocess.run(pack, check=True, capture_output=True)
         dist.mkdir(parents=True, exist_ok=True)
-        for older in dist.glob(f"trinity_rft-{RELEASE}+bapo.*.whl"):
-            older.unlink()
         target = dist / wheel_name(root)
         shutil.move(packed / target.name, target)
+    for older in set(dist.glob(f"trinity_rft-{RELEASE}+bapo.*.whl")) - {target}:
+        older.unlink()
     return target
 
 
