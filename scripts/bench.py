@@ -3,7 +3,9 @@
 Each figure is a ratio against a baseline timed beside it (``torch.utils.benchmark``, interleaved
 rounds, medians), printed with its target; the last stdout line is one JSON object. On a CUDA
 device it also times a Qwen2-0.5B-shaped model's training step through each loss. The figures
-and their baselines are described in docs/benchmarks.md. Run: python -m scripts.bench [--quick]
+and their baselines are described in docs/benchmarks.md. It writes no files; a signal ends its
+torchrun launches, then it (``scripts/harness/owned_run.py``). Run: python -m scripts.bench
+[--quick]
 """
 
 import argparse
@@ -19,6 +21,7 @@ import torch.utils.benchmark as benchmark
 from scripts.harness.cases import CHOICE, PAPER, bench_batch, product_search
 from scripts.harness.launch import torchrun
 from scripts.harness.model import build_qwen2
+from scripts.harness.owned_run import owned_run
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 from trinity.algorithm.policy_loss_fn.ppo_policy_loss import PPOPolicyLossFn
 
@@ -212,6 +215,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     args = p.parse_args(argv)
+    with owned_run():
+        run_parts(args)
+    return 0
+
+
+def run_parts(args) -> None:
+    """Every part, its summary and the JSON line."""
     torch.set_num_threads(1)
     size = SIZES["quick" if args.quick else "full"]
     print(f"# BAPO benchmark: torch {torch.__version__}, {os.cpu_count()} cores, {size}")
@@ -236,7 +246,6 @@ def main(argv=None) -> int:
     result.update(pair=loss["pair"], quick=args.quick, dp=dp, ms=loss["ms"], cuda=cuda)
     result.update(update_pass_share_of_step=update.get("pass_share_of_step"), update_pass=update)
     print(json.dumps(result, default=str), flush=True)
-    return 0
 
 
 if __name__ == "__main__":

@@ -3,13 +3,15 @@
 ``demo``: PPO (0.8, 1.28) against BAPO's defaults on R gloo ranks (exit 1 if the ranks used
 different pairs or the loss missed the engine's group); ``study``: five variants, two staleness
 levels, several seeds; ``sensitivity``: one fixed mini-batch in micro-batches over 1 to 4 ranks.
-Each writes under ``--out`` only (``--update-docs`` copies its figure into docs/), prints
-progress lines and ends with one JSON line; exit 2 if a launch failed (3: the demo timed out).
+Each writes only into a folder it makes (``scripts/harness/run_folder.py``): a new
+``runs/<job>/<time>`` that ``runs/<job>/latest`` links to, or ``--out``, which must be new or
+empty (``--update-docs`` copies the figure into docs/). It prints progress lines and ends with
+one JSON line; exit 2 if a launch failed (3: the demo timed out). A signal ends every process it
+started, then the job by it (``scripts/harness/owned_run.py``).
 """
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from collections import Counter
@@ -18,12 +20,15 @@ from pathlib import Path
 
 from scripts.harness import report, reproduce
 from scripts.harness.launch import tail, torchrun
+from scripts.harness.owned_run import owned_run
+from scripts.harness.run_folder import claim
 from scripts.harness.variants import all_variants, variant
 
 # (steps the rollout policy lags, epochs over each batch). With two mini-batches a step,
 # "stale" trains on data 8 to 11 optimizer updates old.
 LEVELS = {"near_on_policy": (0, 1), "stale": (2, 2)}
 DEMO = ("ppo_clip_higher", "bapo_paper")
+FOLDERS = {"demo": "demo", "study": "experiment", "sensitivity": "sensitivity"}  # under runs/
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -31,10 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     jobs = p.add_subparsers(dest="job", required=True)
     demo, study, sens = (jobs.add_parser(job) for job in ("demo", "study", "sensitivity"))
-    outs = {demo: ("demo", 300), study: ("experiment", 250), sens: ("sensitivity", 30)}
-    for job, (out, steps) in outs.items():
+    for job, steps in {demo: 300, study: 250, sens: 30}.items():
         job.add_argument("--steps", type=int, default=steps, help="training steps per run")
-        job.add_argument("--out", default=Path("runs") / out, type=Path, help="output folder")
+        job.add_argument("--out", type=Path, help="a new or empty folder (default: new, in runs/)")
         job.add_argument("--update-docs", action="store_true", help="copy the figure to docs/")
         job.add_argument("--timeout", type=float, default=3600.0, help="seconds per launch")
     demo.add_argument("--ranks", type=int, default=2, help="data-parallel ranks")
@@ -104,7 +108,7 @@ def study(args, started: float) -> int:
     chosen, levels = args.variants.split(","), args.levels.split(",")
     labels = {v.name: v.label for v in all_variants() if v.name in chosen}
     jobs = [(level, seed) for level in levels for seed in range(args.seeds)]
-    print(f"{len(jobs)} launches of {len(labels)} variants -> {args.out}", flush=True)
+    print(f"{len(jobs)} launches of {len(labels)} variants", flush=True)
     failures: list = []
     with ThreadPoolExecutor(args.workers) as pool:
         futures = {}
@@ -196,10 +200,13 @@ def sensitivity(args, started: float) -> int:
 
 
 def main(argv=None) -> int:
-    """Run one job on a clean ``--out``, so that no previous run's numbers are reported."""
+    """Run one job in a folder it makes now: no earlier run's numbers are read, none are lost."""
     args = parse_args(argv)
-    shutil.rmtree(args.out, ignore_errors=True)
-    return {"demo": demo, "study": study, "sensitivity": sensitivity}[args.job](args, time.time())
+    with owned_run():
+        args.out = claim(args.out, FOLDERS[args.job])
+        print(f"writing under {args.out}", flush=True)
+        job = {"demo": demo, "study": study, "sensitivity": sensitivity}[args.job]
+        return job(args, time.time())
 
 
 if __name__ == "__main__":

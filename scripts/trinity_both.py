@@ -120,5 +120,8 @@ def report(out: Path, args, code: Optional[int], lines: List[Tuple[int, dict]]) 
 def run_both(args) -> int:
     """``trinity_launch.launch`` with a rollout engine, its stand-ins and vLLM's CPU settings."""
     rollout = Rollout(args.sync_interval, args.sync_offset)
-    workers = both_worker_env(args.out.resolve(), not args.no_stand_ins)
+
+    def workers(out: Path) -> Dict[str, str]:
+        return both_worker_env(out, not args.no_stand_ins)
+
     return launch(args, rollout, workers, {}, progress, report)

@@ -5,10 +5,10 @@ config (the example with a CPU's settings over it) are built under ``--out`` fro
 (``scripts/harness/trinity_inputs.py``), and Trinity trains from that buffer on a Ray of its own
 (``scripts/harness/trinity_launch.py``, which both modes share). Prints a line per step, then
 one JSON line; exits 1 when a step, BAPO's pair or the checkpoint is missing, or when the ranks
-chose apart with the sync on, and says why on stderr. The launch owns ``--out``
-(``scripts/harness/owned_run.py``): it takes only a folder that is new, empty or a launch's, a
-second one on it refuses at once, and a signal stops its Ray, prints the JSON line with the
-steps so far and ends the launch by it.
+chose apart with the sync on, and says why on stderr. Each launch writes into a folder it makes
+(``scripts/harness/run_folder.py``): a new ``runs/trinity-run/<time>`` (``latest`` links to it),
+or ``--out``, which must be new or empty; a signal ends every process it started, prints the
+JSON line with the steps so far and ends the launch by it (``scripts/harness/owned_run.py``).
 
 ``--mode both`` runs Trinity's asynchronous loop instead, a vLLM explorer beside the trainer
 (``scripts/trinity_both.py``: its inputs, progress lines and report, through the same
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Dict
 
-from scripts.harness.launch import PINNED_NUMERICS, REPO
+from scripts.harness.launch import PINNED_NUMERICS
 from scripts.harness.trinity_launch import PAIR_KEYS, launch, report, worker_env
 from scripts.trinity_both import run_both
 
@@ -34,7 +34,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--mode", choices=("train", "both"), default="train", help="from a buffer, or explore too"
     )
     parser.add_argument("--steps", type=int, help="training steps of 16 sequences (3; both: 4)")
-    parser.add_argument("--out", type=Path, help="runs/trinity-run (both: runs/trinity-run-both)")
+    parser.add_argument(
+        "--out", type=Path, help="a new or empty folder (else a new one under runs/trinity-run)"
+    )
     parser.add_argument(
         "--no-sync", action="store_true", help="sync_across_dp: false (the ranks may disagree)"
     )
@@ -50,7 +52,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     both = args.mode == "both"
     args.steps = (4 if both else 3) if args.steps is None else args.steps
-    args.out = args.out or REPO / "runs" / ("trinity-run-both" if both else "trinity-run")
     args.timeout = args.timeout or (900 if both else 600)
     for name, least in (("steps", 1), ("sync_interval", 1), ("sync_offset", 0)):
         if getattr(args, name) < least:
@@ -80,8 +81,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.mode == "both":
         return run_both(args)
-    workers = worker_env(args.out.resolve())
-    return launch(args, None, workers, PINNED_NUMERICS, progress, report)
+    return launch(args, None, worker_env, PINNED_NUMERICS, progress, report)
 
 
 if __name__ == "__main__":

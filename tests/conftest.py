@@ -26,13 +26,15 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 # the files that take longest, longest first (worker-seconds on 2 cores: about 210, 165, 125, 80,
-# 30, 13, 10 and 8), so that the workers, each taking the next file when it is free, end
+# 50, 40, 30, 13, 10 and 8), so that the workers, each taking the next file when it is free, end
 # together
 SLOW_FILES = (
     "test_scripts.py",
     "test_trinity_run.py",
     "test_engine.py",
     "test_make_pr.py",
+    "test_launchers.py",
+    "test_wheel.py",
     "test_bapo_distributed.py",
     "test_bapo_loss.py",
     "test_environment.py",

@@ -1,6 +1,7 @@
 """The scripts end to end, short, each held to a value computed apart from them."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from scripts.harness import report, reproduce, tasks
 from scripts.harness.cases import PAPER, authors_loop, bench_batch
 from scripts.harness.launch import REPO
 from scripts.harness.model import build_model, build_qwen2, sample_responses
+from scripts.harness.run_folder import new_folder
 from scripts.harness.variants import variant
 from tests import oracle
 
@@ -26,10 +28,11 @@ TINY_QWEN2 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vo
 TINY_QWEN2.update(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
 
 
-def run_module(module: str, *argv, timeout: int = 900) -> subprocess.CompletedProcess:
-    """Run a module from the repo root, as the Makefile runs it."""
+def run_module(module: str, *argv, timeout: int = 900, cwd=REPO) -> subprocess.CompletedProcess:
+    """Run a module from the repo root as the Makefile runs it, or from ``cwd`` (runs/ is there)."""
     cmd = [sys.executable, "-m", module, *map(str, argv)]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def last_json(done: subprocess.CompletedProcess) -> dict:
@@ -186,13 +189,30 @@ def test_bench_cuda_step_on_cpu_takes_the_oracles_pair_on_the_models_log_probs(n
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    out, before = tmp_path_factory.mktemp("demo"), docs_files()
-    done = run_module("scripts.experiment", "demo", "--steps", DEMO_STEPS, "--out", out)
-    return out, last_json(done), before == docs_files(), done.stdout
+    """The demo without ``--out``, from a directory whose runs/demo holds an earlier run."""
+    cwd, before = tmp_path_factory.mktemp("demo"), docs_files()
+    earlier = new_folder(cwd / "runs" / "demo")
+    (earlier / "metrics.jsonl").write_text("an earlier run's numbers\n")
+    kept = (earlier / "metrics.jsonl").stat().st_mtime_ns, sorted(earlier.iterdir())
+    done = run_module("scripts.experiment", "demo", "--steps", DEMO_STEPS, cwd=cwd)
+    out = (cwd / "runs" / "demo" / "latest").resolve()
+    earlier_kept = kept == (
+        (earlier / "metrics.jsonl").stat().st_mtime_ns,
+        sorted(earlier.iterdir()),
+    )
+    return out, last_json(done), before == docs_files(), done.stdout, (earlier, earlier_kept)
+
+
+def test_a_demo_without_out_writes_a_new_folder_and_leaves_the_earlier_one_as_it_was(demo):
+    out, _, _, stdout, (earlier, earlier_kept) = demo
+    assert out.parent == earlier.parent and out != earlier
+    assert f"writing under {out}" in stdout.splitlines()
+    assert earlier_kept and (earlier / "metrics.jsonl").read_text() == "an earlier run's numbers\n"
+    assert (out / "report.png").exists() and (out / "bapo_paper" / "metrics.jsonl").exists()
 
 
 def test_demo_trains_both_through_the_engine_with_agreeing_ranks_and_counts_bapo_ends(demo):
-    out, result, docs_untouched, stdout = demo
+    out, result, docs_untouched, stdout, _ = demo
     assert docs_untouched, "the demo changed docs/ without --update-docs"
     assert result["ranks_agree"] is True and result["dp_group_forwarded"] is True
     for name in ("ppo_clip_higher", "bapo_paper"):
@@ -256,8 +276,10 @@ def test_small_study_trains_every_run_and_counts_how_bapo_calls_ended(tmp_path):
 
 
 def test_sensitivity_one_micro_batch_per_rank_is_the_whole_mini_batch_decision(tmp_path):
-    argv = ["--steps", 2, "--sequences", 8, "--ranks", "1,2", "--micro", "2,4,8", "--out", tmp_path]
+    out = tmp_path / "a${oc.env:HOME}b"  # no config reader here: the name is kept as it is
+    argv = ["--steps", 2, "--sequences", 8, "--ranks", "1,2", "--micro", "2,4,8", "--out", out]
     result = last_json(run_module("scripts.experiment", "sensitivity", *argv))
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
     updates = [s for s in result["splits"] if s["scope"] == "update"]
     splits = {(s["ranks"], s["micro"]): s for s in result["splits"] if s["scope"] == "micro_batch"}
     assert sorted(splits) == [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4)]  # 4 sequences a rank
@@ -270,7 +292,7 @@ def test_sensitivity_one_micro_batch_per_rank_is_the_whole_mini_batch_decision(t
     # one micro-batch of the whole mini-batch, or one of each half synced over 2 ranks
     for key in ((1, 8), (2, 4)):
         assert splits[key]["same_pair"] == 1.0 and splits[key]["distance"] == 0.0
-    record = json.loads((tmp_path / "ranks1.json").read_text())
+    record = json.loads((out / "ranks1.json").read_text())
     for split in [s for s in record["splits"] if s["scope"] == "micro_batch"]:
         lp, old, adv = (torch.tensor(row) for row in split["tokens"])
         tokens = oracle.token_lists(lp, old, torch.ones_like(lp), adv)

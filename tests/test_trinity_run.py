@@ -6,12 +6,13 @@ engine, ``TrinityPolicyLoss`` with its group, and the checkpoint. Its folder's n
 YAML text would misread (``" #"``, ``": "``), and its TMPDIR is 120 characters long, more than
 Ray's socket paths leave room for. The steps and metrics are read from what Trinity logged, the
 agreement from each rank's own record of its loss calls; then nothing of that Ray may be left
-running, and nothing written outside ``runs/``. While it trains, a second launch on its folder
-must refuse at once.
+running, and nothing written outside its folder. While it trains in ``X/<name>``, a launch given
+``X`` must refuse at once. Before it starts, a stand-in for a Ray that a killed launch left runs:
+the launch must name it with the command that stops it, and leave it running until that command.
 
 Three launches cut short by a real signal, each at its moment: SIGHUP before Ray is up, SIGINT
-to the process group while Ray starts, SIGTERM while the ranks train. Each must leave no
-process of its Ray and no link, and end by its signal after a last JSON line.
+to the process group while Ray starts, SIGTERM while the ranks train. Each must leave no process
+it started, no process of its Ray and no link, and end by its signal after a last JSON line.
 """
 
 import argparse
@@ -20,6 +21,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -27,17 +29,26 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
+import psutil
 import pytest
 import yaml
 
 from scripts.harness.launch import REPO, tail
-from scripts.harness.owned_run import LOCK
-from scripts.harness.ray_local import MARK_ENV, kill_ray, link_dir, ray_processes
+from scripts.harness.ray_local import (
+    MARK_ENV,
+    kill_ray,
+    launcher_alive,
+    left_rays,
+    link_dir,
+    name_left_rays,
+    ray_processes,
+)
 from scripts.harness.trinity_launch import agreement, exit_code, numbers, problems
 
 STEPS = 2
-OUT = REPO / "runs" / "test-trinity-run #1: yaml"  # a comment and a mapping in YAML text
+NAME = "test-trinity-run #1: yaml"  # a comment and a mapping in YAML text
 LONG_TMPDIR = 120  # characters: an HPC job's TMPDIR, too long to hold Ray's sockets
 EXAMPLE = REPO / "examples" / "bapo_gsm8k" / "gsm8k.yaml"
 BAPO_METRICS = ["clip_low", "clip_high", "positive_contribution", "target_met", "search_steps"]
@@ -67,13 +78,24 @@ def until(condition, timeout_s: float, what: str) -> float:
     return time.monotonic() - started
 
 
-class Launch:
-    """``python -m scripts.trinity_run`` on ``out``, leading a process group, read as it prints."""
+def running(procs: list) -> list:
+    """Those of ``procs`` (``psutil.Process``) that still run: a zombie has ended."""
+    found = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return found
 
-    def __init__(self, out: Path, *args, env=None):
+
+class Started:
+    """A command run from the repo's root, leading a process group, read as it prints."""
+
+    def __init__(self, cmd: list, env=None):
         """Start it, in ``env`` or else this one's: stdout lines to ``lines``, stderr to a file."""
-        self.out, self.lines, self.err = out, list[str](), tempfile.TemporaryFile("w+")
-        cmd = [sys.executable, "-m", "scripts.trinity_run", "--out", out, *args]
+        self.lines, self.err = list[str](), tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
             list(map(str, cmd)),
             cwd=REPO,
@@ -87,29 +109,56 @@ class Launch:
         self.reader.start()
 
     def read(self) -> None:
-        """Collect the stdout lines until the launcher closes it."""
+        """Collect the stdout lines until the command closes it."""
         for line in self.proc.stdout:  # type: ignore[union-attr]
             self.lines.append(line.rstrip("\n"))
 
-    def printed(self, start: str) -> bool:
-        """Whether a line starting with ``start`` was printed."""
-        return any(line.startswith(start) for line in self.lines)
+    def printed(self, part: str) -> bool:
+        """Whether a line holding ``part`` was printed."""
+        return any(part in line for line in self.lines)
+
+    def tree(self) -> list:
+        """Every process it started, however deep, now."""
+        return psutil.Process(self.proc.pid).children(recursive=True)
 
     def end(self, timeout_s: float) -> int:
-        """Its exit code; killed with its Ray (and the test failed) past ``timeout_s``."""
+        """Its exit code; past ``timeout_s`` it is killed with all it started (the test failed)."""
         try:
             self.proc.wait(timeout_s)
-        finally:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                kill_ray(self.out / "ray")
+        except subprocess.TimeoutExpired:
+            self.kill()
         self.reader.join(10)
         return self.proc.returncode
 
+    def kill(self) -> None:
+        """Kill its process group and every process it started."""
+        for proc in running(self.tree()):
+            proc.kill()
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def errors(self) -> str:
+        """Everything it wrote on stderr."""
+        self.err.seek(0)
+        return self.err.read()
+
     def output(self) -> str:
         """Everything it printed, for a failure's message."""
-        self.err.seek(0)
-        return tail("\n".join(self.lines) + "\n" + self.err.read())
+        return tail("\n".join(self.lines) + "\n" + self.errors())
+
+
+class Launch(Started):
+    """``python -m scripts.trinity_run`` on ``out``."""
+
+    def __init__(self, out: Path, *args, env=None):
+        """Start it with ``args`` after ``--out out``."""
+        self.out = out
+        super().__init__([sys.executable, "-m", "scripts.trinity_run", "--out", out, *args], env)
+
+    def kill(self) -> None:
+        """Kill it, all it started, and its Ray."""
+        super().kill()
+        kill_ray(self.out / "ray")
 
 
 def training(launch: Launch) -> bool:
@@ -117,13 +166,54 @@ def training(launch: Launch) -> bool:
     return launch.printed("inputs built") and (launch.out / "calls" / "rank0.jsonl").exists()
 
 
-def second_launch(out: Path) -> dict:
-    """A launch on a folder in use: its exit code, seconds, and stderr's lines."""
+def refused_launch(out: Path) -> dict:
+    """A launch on a folder that holds a run: its exit code, seconds, and stderr's lines."""
     cmd = [sys.executable, "-m", "scripts.trinity_run", "--out", out]
     started = time.monotonic()
     done = subprocess.run(list(map(str, cmd)), cwd=REPO, capture_output=True, text=True, timeout=60)
     seconds = time.monotonic() - started
     return dict(code=done.returncode, seconds=seconds, stderr=done.stderr.strip().splitlines())
+
+
+# A launcher's stand-in: it starts a process marked as start_ray marks a Ray's head, under the
+# folder argv[1], in a session of its own as that head runs, prints its PID, and waits
+LAUNCHER = (
+    "import os, subprocess, sys, time; from pathlib import Path; "
+    "from scripts.harness.ray_local import mark; "
+    "env = {**os.environ, **mark(Path(sys.argv[1]))}; "
+    "ray = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], env=env, "
+    "start_new_session=True); print(ray.pid, flush=True); time.sleep(600)"
+)
+
+
+def stand_in_ray(folder: Path, killed: bool) -> tuple:
+    """A stand-in launcher's marked process under ``folder``: (launcher, PID of the process).
+
+    ``killed``: its launcher is killed with SIGKILL first, as no handler sees.
+    """
+    cmd = [sys.executable, "-c", LAUNCHER, str(folder)]
+    launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    pid = int(launcher.stdout.readline())  # type: ignore[union-attr]
+    if killed:
+        launcher.kill()
+        launcher.wait()
+    return launcher, pid
+
+
+def stop_named(err: str, folder: Path) -> Optional[str]:
+    """The stop command of the line on ``err`` that names a Ray left under ``folder``, if any."""
+    for line in err.splitlines():
+        if line.startswith(f"a Ray left by a killed launch runs under {folder} "):
+            return line.split(" with: ", 1)[1]
+    return None
+
+
+def kill_pid(pid: int) -> None:
+    """Kill ``pid`` if it still runs (a test's cleanup)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -136,36 +226,53 @@ def long_tmpdir():
 
 
 @pytest.fixture(scope="module")
-def run(long_tmpdir):
-    """The launch, its JSON report, what it left behind, and a second launch refused meanwhile."""
+def run(long_tmpdir, tmp_path_factory):
+    """The launch, its report, what it left behind, a launch on its parent refused meanwhile.
+
+    Before it, a Ray a killed launch left; after it, the command it named runs.
+    """
+    parent = tmp_path_factory.mktemp("trinity-run")
+    out, left_folder = parent / NAME, tmp_path_factory.mktemp("left") / "ray"
     ray_home, status = Path.home() / ".ray", git_status()
     before, started = snapshot(ray_home), time.monotonic()
-    first = Launch(OUT, "--steps", STEPS, env={**os.environ, "TMPDIR": str(long_tmpdir)})
+    _, left = stand_in_ray(left_folder, killed=True)
     try:
-        until(lambda: training(first) or first.proc.poll() is not None, 600, "a loss call")
-        second = second_launch(OUT) if first.proc.poll() is None else None
+        first = Launch(out, "--steps", STEPS, env={**os.environ, "TMPDIR": str(long_tmpdir)})
+        try:
+            until(lambda: training(first) or first.proc.poll() is not None, 600, "a loss call")
+            second = refused_launch(parent) if first.proc.poll() is None else None
+        finally:
+            code = first.end(900)
+        seconds = time.monotonic() - started
+        assert code == 0 and first.lines, f"exit {code}\n{first.output()}"
+        stop, left_ran_on = stop_named(first.errors(), left_folder), alive(left)
+        if stop is not None:  # kill_ray returns once no process of that Ray runs
+            subprocess.run(shlex.split(stop), cwd=REPO, capture_output=True, timeout=60)
+        left_stopped = stop is not None and not alive(left)
     finally:
-        code = first.end(900)
-    seconds = time.monotonic() - started
-    assert code == 0 and first.lines, f"exit {code}\n{first.output()}"
+        kill_pid(left)
     with pytest.MonkeyPatch.context() as patch:  # the link the launch made under its TMPDIR
         patch.setattr(tempfile, "tempdir", str(long_tmpdir))
-        link = link_dir(OUT / "ray")
+        link = link_dir(out / "ray")
     return dict(
+        out=out,
         report=json.loads(first.lines[-1]),
         progress=first.lines[:-1],
         ray_home_unchanged=snapshot(ray_home) == before,
         git_status_new=sorted(git_status() - status),
         link=link,
         link_left=link.exists(),  # its own: another run's may be up meanwhile
-        left_running=ray_processes(OUT / "ray"),
+        left_running=ray_processes(out / "ray"),
         seconds=seconds,
         second=second,
-        pid=first.proc.pid,
+        parent=parent,
+        left=dict(
+            pid=left, folder=left_folder, stop=stop, ran_on=left_ran_on, stopped=left_stopped
+        ),
     )
 
 
-def logged_steps(out: Path = OUT, role: str = "actor/") -> dict:
+def logged_steps(out: Path, role: str = "actor/") -> dict:
     """One role's ``Step N: {...}`` lines in a run's log, read apart from the launcher.
 
     A role's lines hold a metric named ``role...`` (the trainer's ``actor/``); a step's lines of
@@ -180,7 +287,7 @@ def logged_steps(out: Path = OUT, role: str = "actor/") -> dict:
     return steps
 
 
-def rank_records(out: Path = OUT) -> list:
+def rank_records(out: Path) -> list:
     """Each rank's loss calls, as the recorder in its Ray worker appended them."""
     return [
         [json.loads(line) for line in (out / "calls" / f"rank{r}.jsonl").read_text().splitlines()]
@@ -189,7 +296,7 @@ def rank_records(out: Path = OUT) -> list:
 
 
 def test_every_step_trained_and_logged_with_bapo_metrics(run):
-    steps = logged_steps()
+    steps = logged_steps(run["out"])
     assert sorted(steps) == list(range(1, STEPS + 1))
     assert len(run["progress"]) >= STEPS and run["report"]["steps"] == sorted(steps)
     for step, metrics in steps.items():
@@ -203,7 +310,7 @@ def test_every_step_trained_and_logged_with_bapo_metrics(run):
 
 
 def test_both_ranks_received_the_group_and_chose_the_same_pair_at_every_call(run):
-    calls = rank_records()
+    calls = rank_records(run["out"])
     assert len(calls[0]) == len(calls[1]) >= STEPS
     pairs = [
         [(c["metrics"]["bapo_clip_low"], c["metrics"]["bapo_clip_high"]) for c in r] for r in calls
@@ -215,15 +322,16 @@ def test_both_ranks_received_the_group_and_chose_the_same_pair_at_every_call(run
 
 
 def test_the_last_step_is_saved(run):
-    saved = OUT / run["report"]["checkpoint"]
+    saved = run["out"] / run["report"]["checkpoint"]
     assert saved.name == "actor" and saved.parent.name == f"global_step_{STEPS}"
     assert any(path.is_file() for path in saved.rglob("*"))
 
 
 def test_the_run_trained_the_examples_algorithm_and_trainer_settings(run):
-    example, used = (yaml.safe_load(p.read_text()) for p in (EXAMPLE, OUT / "config.yaml"))
+    out = run["out"]
+    example, used = (yaml.safe_load(p.read_text()) for p in (EXAMPLE, out / "config.yaml"))
     assert used["mode"] == "train" and used["cluster"]["gpu_per_node"] == 2
-    assert used["model"]["model_path"] == str(OUT / "model")  # the folder's name whole
+    assert used["model"]["model_path"] == str(out / "model")  # the folder's name whole
     assert used["algorithm"]["algorithm_type"] == example["algorithm"]["algorithm_type"] == "bapo"
     # the launcher writes the CPU's token budget and the run's length over the example's
     kept = example["trainer"].keys() - {"max_token_len_per_gpu", "total_steps", "save_interval"}
@@ -232,21 +340,54 @@ def test_the_run_trained_the_examples_algorithm_and_trainer_settings(run):
         assert used["trainer"][key] == example["trainer"][key]
 
 
-def test_nothing_left_running_or_written_outside_runs(run):
+def test_nothing_left_running_or_written_outside_its_folder(run):
     assert run["left_running"] == []
     assert run["ray_home_unchanged"], "the run wrote under ~/.ray"
-    assert run["git_status_new"] == [], "the run wrote into the checkout outside runs/"
+    assert run["git_status_new"] == [], "the run wrote into the checkout"
     assert not run["link_left"], "the short link to Ray's temp dir is left"
     assert run["link"].parent == Path("/tmp")  # its TMPDIR was too long for Ray's sockets
+    assert [p.name for p in run["parent"].iterdir()] == [NAME]
     print(f"trinity-run test launch: {run['seconds']:.0f} s")
 
 
-def test_a_second_launch_on_the_folder_refuses_at_once_naming_it_and_the_holder(run):
+def test_a_launch_given_the_folder_around_a_live_run_refuses_at_once_naming_it(run):
     second = run["second"]
-    assert second["code"] != 0 and second["seconds"] < REFUSED_WITHIN_S, second
-    assert len(second["stderr"]) == 1, second["stderr"]
-    assert str(OUT) in second["stderr"][0] and f"PID {run['pid']}" in second["stderr"][0]
+    assert second["code"] == 1 and second["seconds"] < REFUSED_WITHIN_S, second
+    assert second["stderr"] == [
+        f"{run['parent']} is not empty; --out takes a new or an empty folder, and nothing in "
+        "this one is touched"
+    ]
     assert run["report"]["interrupted"] is False  # and the first ran whole: the tests above
+
+
+def test_a_ray_a_killed_launch_left_is_named_and_runs_on_until_its_command_stops_it(run):
+    left = run["left"]
+    folder = shlex.quote(str(left["folder"]))
+    assert (
+        left["stop"] == f"{shlex.quote(sys.executable)} -m scripts.harness.ray_local stop {folder}"
+    )
+    assert left["ran_on"], "the launch stopped a Ray that was not its own"
+    assert left["stopped"], "the command named did not stop it"
+
+
+def test_only_a_ray_whose_launcher_is_gone_is_left_and_named_with_its_pids(tmp_path, capsys):
+    launcher, live = stand_in_ray(tmp_path / "live" / "ray", killed=False)
+    _, left = stand_in_ray(tmp_path / "left" / "ray", killed=True)
+    try:
+        found = {f: pids for f, pids in left_rays().items() if tmp_path in f.parents}
+        assert found == {tmp_path / "left" / "ray": [left]}  # the live launcher's is not
+        name_left_rays()
+        named = [line for line in capsys.readouterr().err.splitlines() if str(tmp_path) in line]
+        assert len(named) == 1 and f" (pids {left}); stop it " in named[0]
+        assert alive(left) and alive(live)  # named, not stopped
+    finally:
+        for pid in (left, live):
+            kill_pid(pid)
+        launcher.kill()
+        launcher.wait()
+    me = psutil.Process()
+    assert launcher_alive(f"{me.pid}:{me.create_time()!r}")
+    assert not launcher_alive(f"{me.pid}:{me.create_time() - 1!r}")  # its PID taken by another
 
 
 @pytest.mark.parametrize(
@@ -257,13 +398,16 @@ def test_a_second_launch_on_the_folder_refuses_at_once_naming_it_and_the_holder(
         (signal.SIGTERM, "during training"),
     ],
 )
-def test_a_signal_stops_that_ray_and_the_last_line_says_interrupted(signum, moment):
-    out = REPO / "runs" / f"test-trinity-run-{signal.Signals(signum).name.lower()}"
+def test_a_signal_ends_every_process_of_the_launch_and_the_last_line_says_interrupted(
+    signum, moment, tmp_path
+):
+    out = tmp_path / "run"
     launch = Launch(out, "--steps", 1)
     try:
         reached = MOMENTS[moment]
         until(lambda: reached(launch) or launch.proc.poll() is not None, 600, moment)
         assert launch.proc.poll() is None, f"ended before {moment}\n{launch.output()}"
+        tree = launch.tree()
         if signum == signal.SIGINT:  # as Ctrl-C sends it, to the process group
             os.killpg(launch.proc.pid, signum)
         else:
@@ -271,6 +415,7 @@ def test_a_signal_stops_that_ray_and_the_last_line_says_interrupted(signum, mome
         signalled = time.monotonic()
         code = launch.end(CLEAN_WITHIN_S)
         until(lambda: not ray_processes(out / "ray"), CLEAN_WITHIN_S, "Ray stopped")
+        until(lambda: not running(tree), CLEAN_WITHIN_S, "every process it started ended")
         assert time.monotonic() - signalled < CLEAN_WITHIN_S
     finally:
         launch.end(0)  # a no-op unless the test failed with it alive
@@ -287,10 +432,9 @@ def test_a_signal_stops_that_ray_and_the_last_line_says_interrupted(signum, mome
     assert (out / "trinity.log").exists() == (moment == "during training")
 
 
-def holding(launch: Launch) -> bool:
-    """Whether the launch holds its folder: its PID in the lock file."""
-    lock = launch.out / LOCK
-    return lock.exists() and lock.read_text().strip() == str(launch.proc.pid)
+def preparing(launch: Launch) -> bool:
+    """Whether the launch has begun to build its inputs in its folder."""
+    return (launch.out / "calls").exists()
 
 
 def starting_ray(launch: Launch) -> bool:
@@ -299,38 +443,26 @@ def starting_ray(launch: Launch) -> bool:
 
 
 MOMENTS = {
-    "before Ray is up": holding,
+    "before Ray is up": preparing,
     "while Ray starts": starting_ray,
     "during training": training,
 }
 
 
-# A launch of the owner alone, no Ray: it reads a line from stdin while it holds the folder
-# ("hold") or while it writes its report ("report"), so that the test chooses the moment.
+# A launch of the lifecycle alone, no Ray: it reads a line from stdin while it writes its report,
+# so that the test chooses the moment
 OWNER = """
 import sys
-from pathlib import Path
 from scripts.harness.owned_run import owned_run
 
 def summary():
     print("reporting", flush=True)
-    if sys.argv[2] == "report":
-        sys.stdin.readline()
+    sys.stdin.readline()
     return {"steps": [1]}
 
-with owned_run(Path(sys.argv[1]), summary) as run:
-    print("holding", flush=True)
-    if sys.argv[2] == "hold":
-        sys.stdin.readline()
+with owned_run(summary) as run:
     run.finish()
 """
-
-
-def owner(out: Path, wait: str) -> subprocess.Popen:
-    """The owner alone on ``out``, waiting at ``wait`` ("hold", "report" or "none")."""
-    cmd = [sys.executable, "-c", OWNER, str(out), wait]
-    pipe = subprocess.PIPE
-    return subprocess.Popen(cmd, cwd=REPO, stdin=pipe, stdout=pipe, stderr=pipe, text=True)
 
 
 # A process that holds a file open (appending, so that nothing in it changes) until killed
@@ -389,9 +521,10 @@ def test_a_rays_processes_are_its_marked_ones_and_their_children_alone(tmp_path)
             proc.wait()
 
 
-def test_a_signal_during_the_report_ends_the_run_by_it_after_the_json_line(tmp_path):
-    proc = owner(tmp_path / "out", "report")
-    assert proc.stdout.readline() == "holding\n"  # type: ignore[union-attr]
+def test_a_signal_during_the_report_ends_the_run_by_it_after_the_json_line():
+    cmd = [sys.executable, "-c", OWNER]
+    pipe = subprocess.PIPE
+    proc = subprocess.Popen(cmd, cwd=REPO, stdin=pipe, stdout=pipe, stderr=pipe, text=True)
     assert proc.stdout.readline() == "reporting\n"  # type: ignore[union-attr]
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)  # the handler runs in the reading main thread, then the read goes on
@@ -402,68 +535,6 @@ def test_a_signal_during_the_report_ends_the_run_by_it_after_the_json_line(tmp_p
         "interrupted": True,
         "signal": "SIGTERM",
     }
-
-
-def test_a_folder_whose_owner_was_killed_is_taken_over_after_its_ray_alone_is_killed(tmp_path):
-    out = tmp_path / "out"
-    held = owner(out, "hold")
-    assert held.stdout.readline() == "holding\n"  # type: ignore[union-attr]
-    busy = owner(out, "none")
-    _, err = busy.communicate(timeout=30)
-    assert busy.returncode == 1 and err.strip() == f"{out} is in use by another run, PID {held.pid}"
-    (out / "left-by-the-first").write_text("")
-    held.kill()
-    held.communicate(timeout=30)
-    assert (out / LOCK).read_text().strip() == str(held.pid)  # a dead PID stays in the file
-    (out / "ray" / "logs").mkdir(parents=True)  # a Ray the dead launch left, and a stranger
-    stranger, (left, child) = holder(out / "ray" / "logs" / "x.log"), marked(out / "ray")
-    try:
-        after = owner(out, "none")
-        stdout, err = after.communicate(timeout=30)
-        assert left.wait(10) == -signal.SIGKILL and stranger.poll() is None
-        until(lambda: not alive(child), 10, "the end of the left Ray's agent")
-    finally:
-        for proc in (stranger, left):
-            proc.kill()
-            proc.wait()
-    assert after.returncode == 0, err
-    assert json.loads(stdout.splitlines()[-1]) == {"steps": [1], "interrupted": False}
-    assert sorted(p.name for p in out.iterdir()) == [LOCK]
-
-
-def test_the_owner_takes_a_new_or_empty_folder_and_refuses_a_file(tmp_path):
-    (tmp_path / "empty").mkdir()
-    (tmp_path / "file").write_text("kept")
-    for name in ("new", "empty"):
-        done = owner(tmp_path / name, "none")
-        assert done.wait(30) == 0, done.communicate()
-        assert [p.name for p in (tmp_path / name).iterdir()] == [LOCK]
-    refused = owner(tmp_path / "file", "none")
-    _, err = refused.communicate(timeout=30)
-    assert refused.returncode == 1 and err.strip() == f"{tmp_path / 'file'} is not a folder"
-    assert (tmp_path / "file").read_text() == "kept"
-
-
-def test_a_folder_no_launch_made_is_refused_before_ray_and_nothing_in_it_touched(tmp_path):
-    out = tmp_path / "runs"
-    for name in ("demo/report.png", "experiment/metrics.jsonl", ".lock"):
-        (out / name).parent.mkdir(parents=True, exist_ok=True)
-        (out / name).write_text(name)  # ".lock": a file of that name is no launch's
-    stranger = holder(out / "experiment" / "metrics.jsonl")
-    before = snapshot(out)
-    try:
-        refused = second_launch(out)
-        assert stranger.poll() is None
-    finally:
-        stranger.kill()
-        stranger.wait()
-        kill_ray(out / "ray")  # a no-op unless the launch was not refused
-    assert refused["code"] == 1 and len(refused["stderr"]) == 1, refused
-    assert refused["stderr"][0] == (
-        f"{out} holds files and no {LOCK}, so no launch made it; refusing to empty it: "
-        "name a new or empty folder"
-    )
-    assert snapshot(out) == before
 
 
 def test_step_lines_are_read_as_trinitys_monitor_writes_them():

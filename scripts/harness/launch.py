@@ -1,12 +1,15 @@
 """The one torchrun launcher, with pinned numerics (the same figures from one launch to the next).
 
-On timeout the launch's whole process group is killed, so no worker outlives its caller.
+On timeout the launch's whole process group is killed, so no worker outlives its caller. Every
+process a launcher starts passes ``spawn``, whose gate ``owned_run`` closes on a signal: a thread
+of a study that is about to start its next torchrun then starts none.
 """
 
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Optional
@@ -20,6 +23,22 @@ REPO = Path(__file__).resolve().parents[2]
 # an AMD one, but not yet on every CPU (docs/results.md, Reproducibility).
 PINNED_NUMERICS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
 PINNED_NUMERICS["ONEDNN_MAX_CPU_ISA"] = "SSE41"
+
+
+GATE = threading.RLock()  # held while a process starts, and by the signal handler that ends all
+ENDING = threading.Event()  # set under GATE: no process starts any more
+
+
+def spawn(cmd, **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen``, refused once the launch is ending.
+
+    Under ``GATE``, so that the handler closing it waits for a start under way: the process it
+    then kills is there to find.
+    """
+    with GATE:
+        if ENDING.is_set():
+            raise RuntimeError("the launch is ending on a signal: no process starts")
+        return subprocess.Popen(cmd, **kwargs)
 
 
 class Launch(NamedTuple):
@@ -38,7 +57,7 @@ def torchrun(nproc: int, module: str, argv, timeout_s: float, stdout=None) -> La
     env = {**os.environ, **PINNED_NUMERICS, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env["HF_HUB_OFFLINE"] = "1"
     started, pipe = time.monotonic(), subprocess.PIPE
-    proc = subprocess.Popen(
+    proc = spawn(
         cmd,
         cwd=REPO,
         env=env,

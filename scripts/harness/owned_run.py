@@ -1,96 +1,105 @@
-"""A launch that owns its output folder, and cleans up however it ends.
+"""Every launcher's lifecycle: it owns each process it starts, and a signal ends them all, then it.
 
-``owned_run(out, summary)`` is the one lifecycle of a launcher that starts Rays under ``out``:
+``owned_run()`` wraps the work of ``make demo``, ``experiment``, ``sensitivity``, ``bench`` and
+``trinity-run`` (both modes). torchrun, Ray and ``trinity run`` run in sessions of their own, so
+a terminal's Ctrl-C (SIGINT to the foreground process group) reaches the launcher alone; it is the
+launcher that ends them:
 
-- SIGINT, SIGTERM and SIGHUP get a handler first, so that a signal at any moment (before a Ray is
-  up, while it starts, while it trains, during the report) raises ``Interrupted`` in the main
-  thread, and every ``finally`` on the way out runs; Python's default SIGTERM and SIGHUP skip them.
-- ``out`` must be a folder that does not exist, an empty one, or one a launch made (it holds the
-  lock file): any other is refused at once, with one line naming it, and nothing in it touched.
-- ``out`` is locked (an flock on ``out/.bapo-run.lock``, which holds the PID): a second launch on
-  it exits at once with one line naming the folder and that PID, and the first is untouched. The
-  kernel drops the lock of a dead launch, so its folder is taken over: once locked, the folder is
-  emptied, after the Rays a dead launch started in it are killed (by their mark: no other
-  process); nothing of an earlier run is read.
-- Every Ray begun by ``start_ray`` is stopped process by process, its link removed, also a Ray
-  whose start a signal cut short (by its folder). After a signal every process of it is killed
-  at once (its head gets no grace to stop its children): the folder is not reused.
-- The last line is ``summary()`` as JSON with ``"interrupted"``; after a signal also ``"signal"``,
-  and the launcher then dies by that signal (exit status 128 + N in a shell), after the cleanup.
+- SIGINT, SIGTERM and SIGHUP get a handler first. Python runs it in the main thread, whatever the
+  others do (a study trains from a thread pool, whose end would wait on its launches). It closes
+  ``launch.spawn``'s gate, so that no process starts after it; kills every live descendant of
+  the launcher (``kill_descendants``); kills every process of the Rays it started, found by
+  their mark; then raises ``Interrupted``, so that every ``finally`` on the way out runs.
+- Every Ray begun by ``start_ray`` is stopped process by process, its link removed, also one
+  whose start a signal cut short (by its folder). Before the first, the Rays that killed launches
+  left running are named on stderr (``ray_local.name_left_rays``); none is stopped.
+- The last line is ``summary()`` as JSON with ``"interrupted"`` (``Run.finish``; after a signal
+  also ``"signal"``, and for any launcher), and the launcher then dies by that signal (exit status
+  128 + N in a shell), after a last sweep for a process that a thread started meanwhile.
 """
 
 import contextlib
-import fcntl
 import json
 import os
-import shutil
 import signal
+import time
 from pathlib import Path
-from typing import Callable, Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
-from scripts.harness.ray_local import RayHead, kill_ray, start_ray, stop_ray
+import psutil
+
+from scripts.harness.launch import ENDING, GATE
+from scripts.harness.ray_local import RayHead, kill_ray, name_left_rays, start_ray, stop_ray
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-LOCK = ".bapo-run.lock"  # in the folder, which ``clear`` empties around it: a launch made it
 
 
 class Interrupted(BaseException):
     """A signal ended the run; raised by the handler so that the stack unwinds."""
 
 
-class Run:
-    """One launch's folder, lock, Rays and final JSON line."""
+def descendants() -> List[psutil.Process]:
+    """The live processes under this one, however deep (zombies aside: they have ended)."""
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
 
-    def __init__(self, out: Path, summary: Callable[[], dict]):
+
+def kill_descendants(timeout_s: float = 10) -> int:
+    """SIGKILL every live descendant of this process; how many there were.
+
+    Each is stopped first (SIGSTOP), until a look finds none unstopped: a stopped process forks no
+    more, and a child it forked before is found under it, where killing its parent first would
+    hand it to init, out of this tree. Then all are killed together.
+    """
+    stopped: set = set()
+    deadline = time.monotonic() + timeout_s
+    while (new := set(descendants()) - stopped) and time.monotonic() < deadline:
+        for proc in new:
+            with contextlib.suppress(psutil.Error):
+                proc.suspend()
+        stopped |= new
+    for proc in stopped:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    return len(stopped)
+
+
+class Run:
+    """One launch's processes, Rays and final JSON line."""
+
+    def __init__(self, summary: Callable[[], dict] = dict):
         """``summary`` gives the JSON line's fields, also for a run cut short."""
-        self.out, self.summary = out, summary
+        self.summary = summary
         self.rays: Dict[Path, Optional[RayHead]] = {}  # None while the head starts
         self.signum: Optional[int] = None
-        self.closing, self.lock_fd = False, -1
+        self.closing = False
         self.printed: Optional[dict] = None
 
     def interrupt(self, signum: int, frame) -> None:
-        """The signals' handler: the first one unwinds the run, unless it is already closing."""
-        if self.signum is None:
+        """The signals' handler: the first one ends every process, then unwinds the run."""
+        if self.signum is not None:
+            return
+        with GATE:  # a start under way in another thread ends first, so its process is found
             self.signum = signum
-            if not self.closing:
-                raise Interrupted(signal.Signals(signum).name)
+            ENDING.set()
+        self.end_all()
+        if not self.closing:
+            raise Interrupted(signal.Signals(signum).name)
 
-    def claim(self) -> None:
-        """Exit naming the folder, touching nothing, unless it is new, empty, or a launch's."""
-        if self.out.exists() and not self.out.is_dir():
-            raise SystemExit(f"{self.out} is not a folder")
-        if self.out.is_dir() and not (self.out / LOCK).is_file() and any(self.out.iterdir()):
-            raise SystemExit(
-                f"{self.out} holds files and no {LOCK}, so no launch made it; refusing to empty "
-                "it: name a new or empty folder"
-            )
-
-    def lock(self) -> None:
-        """Lock the folder, or exit naming it and the PID of the launch that holds it."""
-        self.out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode().strip() or "unknown"
-            os.close(fd)
-            raise SystemExit(f"{self.out} is in use by another run, PID {holder}") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self.lock_fd = fd
-
-    def clear(self) -> None:
-        """Empty the folder but for the lock, first killing any Ray a dead launch left in it."""
-        for path in self.out.iterdir():
-            if path.is_dir() and not path.is_symlink():
-                kill_ray(path)
-                shutil.rmtree(path)
-            elif path.name != LOCK:
-                path.unlink()
+    def end_all(self) -> None:
+        """Kill every descendant and every process of the Rays this run started."""
+        kill_descendants()
+        for folder in list(self.rays):
+            kill_ray(folder)
 
     def start_ray(self, folder: Path, gpus: int, worker_env: Dict[str, str]) -> RayHead:
         """``ray_local.start_ray``, stopped when the run ends, even if cut short meanwhile."""
+        if not self.rays:
+            name_left_rays()
         self.rays[folder] = None
         self.rays[folder] = head = start_ray(folder, gpus, worker_env)
         return head
@@ -116,24 +125,21 @@ class Run:
         return result
 
     def close(self) -> None:
-        """Stop the Rays, print the JSON line if a signal cut the run short, free the folder."""
+        """Stop the Rays; after a signal, kill what is left and print the JSON line if not yet."""
         self.closing = True
         self.stop_rays()
-        if self.signum is not None and self.printed is None:
-            self.finish()
-        if self.lock_fd >= 0:
-            os.close(self.lock_fd)
+        if self.signum is not None:
+            self.end_all()
+            if self.printed is None:
+                self.finish()
 
 
 @contextlib.contextmanager
-def owned_run(out: Path, summary: Callable[[], dict]) -> Iterator[Run]:
-    """Own ``out`` for the body (see the module docstring); ``Run.finish`` prints the last line."""
-    run = Run(out, summary)
+def owned_run(summary: Callable[[], dict] = dict) -> Iterator[Run]:
+    """Own every process the body starts (see the module docstring); ``summary`` as ``Run``'s."""
+    run = Run(summary)
     previous = {signum: signal.signal(signum, run.interrupt) for signum in SIGNALS}
     try:
-        run.claim()
-        run.lock()
-        run.clear()
         yield run
     except Interrupted:
         pass  # run.signum says which; run.close prints the line

@@ -14,11 +14,18 @@ temp dir, or in ``/tmp`` (where Ray's own ``/tmp/ray`` goes) where ``$TMPDIR`` i
 them. The files stay in the folder, and the link goes when Ray stops. The link's name comes
 from the folder's path, so that whoever stops a Ray by its folder alone (a start cut short, or
 one a killed launcher left) finds its link too.
+
+The mark also names the launcher, by its PID and start time, so that a Ray whose launcher was
+killed with SIGKILL (which no handler sees) is told apart from a live launch's: ``left_rays``
+finds it, a launch names it on stderr, and it runs until its user stops it by its folder:
+``python -m scripts.harness.ray_local stop FOLDER``, from the checkout's root.
 """
 
+import argparse
 import contextlib
 import hashlib
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -29,8 +36,13 @@ import time
 from pathlib import Path
 from typing import Dict, List, NamedTuple
 
+import psutil
+
+from scripts.harness.launch import spawn
+
 RAY = str(Path(sys.executable).parent / "ray")
 MARK_ENV = "BAPO_RAY_FOLDER"  # the folder of the Ray a process belongs to
+LAUNCHER_ENV = "BAPO_RAY_LAUNCHER"  # "PID:start time" of the launcher that started that Ray
 PORTS = ["dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port"]
 PORTS += ["metrics-export-port", "ray-client-server-port", "runtime-env-agent-port"]
 # The longest path Ray gives a socket under its temp dir: the folder of one start, named by its time
@@ -57,18 +69,47 @@ def free_port() -> int:
 def link_dir(folder: Path) -> Path:
     """The directory that holds the short link to ``folder``'s Ray, where Ray's sockets fit.
 
-    In the system's temp dir, else in ``/tmp``; a RuntimeError says why where neither will do.
+    In ``link_base()``; named by the folder's path, so that its Ray's folder alone finds it.
     """
-    name = f"bapo-ray-{hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]}"
+    digest = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
+    return link_base() / f"bapo-ray-{digest}"
+
+
+def link_base() -> Path:
+    """Where the short links go: the temp dir, else ``/tmp``, where Ray's sockets fit in them.
+
+    A link's name has one length whatever its folder, so this is known before the folder is; a
+    RuntimeError says why where neither will do.
+    """
     bases = [tempfile.gettempdir(), "/tmp"]
+    name = "bapo-ray-" + "0" * 16
     for base in bases:
-        link = Path(base) / name
-        if len(os.fsencode(link / "tmp" / RAY_SOCKET)) <= SOCKET_MAX and os.access(base, os.W_OK):
-            return link
+        fits = len(os.fsencode(Path(base) / name / "tmp" / RAY_SOCKET)) <= SOCKET_MAX
+        if fits and os.access(base, os.W_OK):
+            return Path(base)
     raise RuntimeError(
         f"Ray's socket paths under the temp dir {bases[0]} would exceed {SOCKET_MAX} bytes, "
         "and /tmp is not writable: set TMPDIR to a shorter folder"
     )
+
+
+def mark(folder: Path) -> Dict[str, str]:
+    """The environment that marks a process as of the Ray under ``folder``, started by this one."""
+    me = psutil.Process()
+    return {MARK_ENV: str(folder.resolve()), LAUNCHER_ENV: f"{me.pid}:{me.create_time()!r}"}
+
+
+def launcher_alive(launcher: str) -> bool:
+    """Whether the launcher a mark names (``PID:start time``) still runs.
+
+    A later process that has its PID has another start time; a zombie has ended.
+    """
+    pid, started = launcher.split(":", 1)
+    try:
+        proc = psutil.Process(int(pid))
+        return proc.create_time() == float(started) and proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, ValueError):
+        return False
 
 
 def start_ray(folder: Path, gpus: int, worker_env: Dict[str, str], timeout_s=120) -> RayHead:
@@ -80,21 +121,19 @@ def start_ray(folder: Path, gpus: int, worker_env: Dict[str, str], timeout_s=120
     for part in ("home", "tmp"):
         (folder / part).mkdir(parents=True, exist_ok=True)
     link = link_dir(folder)
-    shutil.rmtree(link, ignore_errors=True)  # one a killed launcher left
+    shutil.rmtree(link, ignore_errors=True)  # one a killed launch on a folder of this path left
     link.mkdir(mode=0o700)
     (link / "tmp").symlink_to(folder.resolve() / "tmp")
     port = free_port()
     env = {**os.environ, "HOME": str(folder / "home"), "RAY_AUTH_MODE": "disabled"}
-    env[MARK_ENV] = str(folder.resolve())
+    env.update(mark(folder))
     env.update(RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS=f"127.0.0.1:{port}")
     env["RAY_prestart_worker_first_driver"] = "0"  # no idle workers started ahead, each a Python
     cmd = [RAY, "start", "--head", "--block", f"--port={port}", f"--num-gpus={gpus}"]
     cmd += ["--num-cpus=8", f"--temp-dir={link / 'tmp'}", "--include-dashboard=false"]
     cmd += [f"--{option}={free_port()}" for option in PORTS]
     with open(folder / "ray-start.log", "w") as log:
-        proc = subprocess.Popen(
-            cmd, env={**env, **worker_env}, stdout=log, stderr=log, start_new_session=True
-        )
+        proc = spawn(cmd, env={**env, **worker_env}, stdout=log, stderr=log, start_new_session=True)
     head = RayHead(proc, folder, env)
     deadline = time.monotonic() + timeout_s
     while subprocess.run([RAY, "status"], env=env, capture_output=True).returncode != 0:
@@ -169,3 +208,49 @@ def kill_ray(folder: Path, timeout_s: float = 10) -> None:
         time.sleep(0.05)
     with contextlib.suppress(RuntimeError):  # raised where no link could be made
         shutil.rmtree(link_dir(folder), ignore_errors=True)  # the link: rmtree does not follow it
+
+
+def left_rays() -> Dict[Path, List[int]]:
+    """The Rays whose launcher is gone, each folder with its processes' pids.
+
+    A launcher killed with SIGKILL stopped nothing; a Ray marked before launchers were named in
+    the mark is not counted (whose it is cannot be told).
+    """
+    folders = set()
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+        except psutil.Error:  # gone meanwhile, or not ours to read
+            continue
+        if MARK_ENV in env and LAUNCHER_ENV in env and not launcher_alive(env[LAUNCHER_ENV]):
+            folders.add(Path(env[MARK_ENV]))
+    found = {folder: ray_processes(folder) for folder in sorted(folders)}
+    return {folder: pids for folder, pids in found.items() if pids}
+
+
+def name_left_rays() -> None:
+    """A line on stderr per Ray that a killed launch left: its folder, pids and stop command."""
+    python = shlex.quote(sys.executable)
+    for folder, pids in left_rays().items():
+        stop = f"{python} -m scripts.harness.ray_local stop {shlex.quote(str(folder))}"
+        print(
+            f"a Ray left by a killed launch runs under {folder} (pids "
+            f"{' '.join(map(str, pids))}); stop it from the checkout's root with: {stop}",
+            file=sys.stderr,
+        )
+
+
+def main(argv=None) -> int:
+    """``stop FOLDER``: kill every process of the Ray under FOLDER and remove its link."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("action", choices=["stop"])
+    parser.add_argument("folder", type=Path, help="the Ray's folder, as a launch named it")
+    args = parser.parse_args(argv)
+    pids = ray_processes(args.folder)
+    kill_ray(args.folder)
+    print(f"stopped {len(pids)} processes of the Ray under {args.folder}: {pids}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,8 @@
 """What both modes of ``scripts/trinity_run.py`` share: a launch, from its folder to its report.
 
-``launch`` owns ``--out`` (``scripts/harness/owned_run.py``), builds the inputs there
+``launch`` takes a folder of its own (``scripts/harness/run_folder.py``: a new one under
+``runs/trinity-run`` or ``runs/trinity-run-both``, or ``--out``), owns every process it starts
+(``scripts/harness/owned_run.py``), builds the inputs there
 (``scripts/harness/trinity_inputs.py``), starts a Ray of its own
 (``scripts/harness/ray_local.py``) whose worker processes take the CPU stand-ins
 (``scripts/harness/cpu.py``) and record each rank's loss calls, runs ``trinity run --config``,
@@ -23,9 +25,10 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from scripts.harness.cpu import CALL_LOG_ENV, STAND_INS_ENV
-from scripts.harness.launch import PINNED_NUMERICS, REPO
+from scripts.harness.launch import PINNED_NUMERICS, REPO, spawn
 from scripts.harness.owned_run import owned_run
-from scripts.harness.ray_local import link_dir
+from scripts.harness.ray_local import link_base
+from scripts.harness.run_folder import RUNS, claim
 from scripts.harness.trinity_inputs import (
     GROUPS_PER_STEP,
     RANKS,
@@ -49,7 +52,7 @@ def run_trinity(config_path: Path, env: Dict[str, str], log_path: Path, timeout_
     """
     trinity = str(Path(sys.executable).parent / "trinity")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(
+        proc = spawn(
             [trinity, "run", "--config", str(config_path)],
             env=env,
             stdout=subprocess.PIPE,
@@ -121,7 +124,7 @@ def checkpoint(out: Path, name: str, steps: int) -> str:
 
 
 def prepare(out: Path, steps: int, sync: bool, scope: str, rollout: Optional[Rollout] = None):
-    """The model, config, and buffer or task set in the emptied folder; the config's path.
+    """The model, config, and buffer or task set in the run's new folder; the config's path.
 
     The buffer is filled in ``mode: train``; given a ``rollout`` (``mode: both``), the explorer's
     task set is written instead.
@@ -193,29 +196,28 @@ def exit_code(result: dict) -> int:
     return 1 if problems(result) else 0
 
 
-def launch(args, rollout: Optional[Rollout], workers: dict, driver: dict, show, summarize) -> int:
-    """Own the folder, build, start Ray, run ``trinity run``, stop Ray, report: the exit code.
+def launch(args, rollout: Optional[Rollout], workers_for, driver: dict, show, summarize) -> int:
+    """Take a folder, build, start Ray, run ``trinity run``, stop Ray, report: the exit code.
 
     ``rollout``: ``mode: both``, with a GPU slot more for the engine; else ``mode: train``.
-    ``workers``, ``driver``: the environments of Ray's workers and of the CLI (over Ray's).
-    ``show``: the progress lines of ``steps``; ``summarize``: the JSON line, as ``report``.
+    ``workers_for(out)``, ``driver``: the environments of Ray's workers and of the CLI (over
+    Ray's). ``show``: the progress lines of ``steps``; ``summarize``: the JSON line, as ``report``.
     """
-    started, out = time.monotonic(), args.out.resolve()
-    try:  # a temp dir whose path leaves Ray's sockets no room is said at once, as a refusal
-        link_dir(out / "ray")
-    except RuntimeError as err:
-        raise SystemExit(str(err)) from None
+    started, job = time.monotonic(), "trinity-run-both" if rollout else "trinity-run"
+    refuse_before_work(args.out or RUNS / job)
     lines: List[Tuple[int, Dict[str, float]]] = []  # trinity run's Step lines, as they come
     ended: List[int] = []  # trinity run's exit code, once it has one
+    with owned_run() as run:
+        out = claim(args.out, job)
 
-    def summary() -> dict:
-        result = summarize(out, args, ended[0] if ended else None, lines)
-        return dict(result, seconds=round(time.monotonic() - started, 1))
+        def summary() -> dict:
+            result = summarize(out, args, ended[0] if ended else None, lines)
+            return dict(result, seconds=round(time.monotonic() - started, 1))
 
-    with owned_run(out, summary) as run:
+        run.summary = summary
         config_path = prepare(out, args.steps, not args.no_sync, args.search_scope, rollout)
         print(f"inputs built under {out}; starting Ray and `trinity run`", flush=True)
-        head = run.start_ray(out / "ray", RANKS + (rollout is not None), workers)
+        head = run.start_ray(out / "ray", RANKS + (rollout is not None), workers_for(out))
         env = {**head.env, **driver, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
         log = out / "trinity.log"
@@ -226,3 +228,22 @@ def launch(args, rollout: Optional[Rollout], workers: dict, driver: dict, show, 
             reasons = "; ".join([*filter(None, [result.get("error")]), *found])
             print(f"mode {args.mode} failed: {reasons} ({result['log']})", file=sys.stderr)
         return exit_code(result)
+
+
+def refuse_before_work(out: Path) -> None:
+    """Exit with one line where the run could not keep to its folder, before anything is made.
+
+    Ray's sockets must fit under the temp dir or ``/tmp``. Trinity reads the config with
+    OmegaConf, which takes ``${`` in a value for an interpolation: escaped with a backslash it
+    passes ``load_config``, but the verl config that Trinity builds from the values read resolves
+    it anew (a model path ``a${oc.env:HOME}b`` becomes ``a/home/...b``), so no escape holds.
+    """
+    try:
+        link_base()
+    except RuntimeError as err:
+        raise SystemExit(str(err)) from None
+    if "${" in str(out.resolve()):
+        raise SystemExit(
+            f"{out}: a path holding '${{' is refused, since Trinity's config reader (OmegaConf) "
+            "would resolve it as an interpolation; name a folder without it"
+        )

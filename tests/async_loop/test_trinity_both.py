@@ -17,6 +17,7 @@ import re
 import shlex
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -25,29 +26,30 @@ from scripts.harness.ray_local import link_dir, ray_processes
 from tests.test_trinity_run import BAPO_METRICS, git_status, logged_steps, rank_records
 
 STEPS = 4
-OUT = REPO / "runs" / "test-trinity-both"
 VLLM_PYTHON = os.environ.get("VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin" / "python"))
 
 
 @pytest.fixture(scope="module")
-def run():
-    """The launch and what it left behind."""
+def run(tmp_path_factory):
+    """The launch, in a new folder of its own, and what it left behind."""
+    out = tmp_path_factory.mktemp("trinity-both") / "run"
     status, started = git_status(), time.monotonic()
     cmd = [VLLM_PYTHON, "-m", "scripts.trinity_run", "--mode", "both", "--steps", str(STEPS)]
-    cmd += ["--out", str(OUT), *shlex.split(os.environ.get("BOTH_MODE_ARGS", ""))]
+    cmd += ["--out", str(out), *shlex.split(os.environ.get("BOTH_MODE_ARGS", ""))]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500)
     print(f"trinity-run --mode both test launch: {time.monotonic() - started:.0f} s")
     return dict(
+        out=out,
         done=done,
         git_status_new=sorted(git_status() - status),
-        link_left=link_dir(OUT / "ray").exists(),
-        left_running=ray_processes(OUT / "ray"),
+        link_left=link_dir(out / "ray").exists(),
+        left_running=ray_processes(out / "ray"),
     )
 
 
-def versions_in_log(pattern: str) -> list:
+def versions_in_log(out: Path, pattern: str) -> list:
     """The versions that Trinity's log names where ``pattern``'s group matches, in order."""
-    return [int(v) for v in re.findall(pattern, (OUT / "trinity.log").read_text())]
+    return [int(v) for v in re.findall(pattern, (out / "trinity.log").read_text())]
 
 
 def test_the_launch_exits_0_with_its_report(run):
@@ -58,16 +60,18 @@ def test_the_launch_exits_0_with_its_report(run):
 
 
 def test_the_explorer_reloaded_a_trainer_checkpoint(run):
-    reloaded = versions_in_log(r"New model weights version: (\d+)")  # the explorer's line
-    saved = versions_in_log(r"state_dict save initiated: path=\S+/global_step_(\d+)/actor")
+    reloaded = versions_in_log(run["out"], r"New model weights version: (\d+)")  # the explorer's
+    saved = versions_in_log(
+        run["out"], r"state_dict save initiated: path=\S+/global_step_(\d+)/actor"
+    )
     assert reloaded, "the explorer never reloaded the trainer's weights"
     assert all(version > 0 and version in saved for version in reloaded), (reloaded, saved)
-    rolled = [m["rollout/model_version"] for m in logged_steps(OUT, "rollout/").values()]
+    rolled = [m["rollout/model_version"] for m in logged_steps(run["out"], "rollout/").values()]
     assert max(rolled) in reloaded, "no rollout with a reloaded version"
 
 
 def test_some_step_trained_on_stale_samples(run):
-    trained = logged_steps(OUT)
+    trained = logged_steps(run["out"])
     stale = {
         step: metrics["sample/model_version/min"]
         for step, metrics in trained.items()
@@ -77,7 +81,7 @@ def test_some_step_trained_on_stale_samples(run):
 
 
 def test_bapo_metrics_at_every_step(run):
-    trained = logged_steps(OUT)
+    trained = logged_steps(run["out"])
     assert sorted(trained) == list(range(1, STEPS + 1))
     for metrics in trained.values():
         assert all(f"actor/bapo_{name}" in metrics for name in BAPO_METRICS), sorted(metrics)
@@ -85,14 +89,14 @@ def test_bapo_metrics_at_every_step(run):
 
 
 def test_the_ranks_chose_the_same_pair_at_every_call(run):
-    calls = rank_records(OUT)
+    calls = rank_records(run["out"])
     pairs = [
         [(c["metrics"]["bapo_clip_low"], c["metrics"]["bapo_clip_high"]) for c in r] for r in calls
     ]
     assert len(pairs[0]) >= STEPS and pairs[0] == pairs[1]
 
 
-def test_nothing_left_running_or_written_outside_runs(run):
+def test_nothing_left_running_or_written_into_the_checkout(run):
     assert run["left_running"] == []
-    assert run["git_status_new"] == [], "the run wrote into the checkout outside runs/"
+    assert run["git_status_new"] == [], "the run wrote into the checkout"
     assert not run["link_left"], "the short link to Ray's temp dir is left"
