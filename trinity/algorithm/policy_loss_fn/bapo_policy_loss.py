@@ -2,9 +2,8 @@
 
 On stale data negative-advantage tokens dominate the update: BAPO raises c_low and c_high inside
 movable ranges until positive tokens carry a share rho0 of the loss (Eq. 8), over the dp_group.
-A bad value raises a ValueError naming its argument, and a key BAPO does not take Python's
-TypeError, when the trainer builds the loss; a config validation that builds the loss from
-policy_loss_fn_args can report both as a ValueError before any cluster starts.
+A bad value raises a ValueError naming its argument when the trainer builds the loss, a key BAPO
+does not take Python's TypeError (a config validation that builds it can report both before).
 With ``search_scope: update`` the pair is chosen once per optimizer update instead, from a pass
 over the update's micro-batches that the trainer runs first (``optimizer_update``).
 """
@@ -34,8 +33,7 @@ def number(name: str, value, low: float, high: float) -> float:
 
 
 def candidates(name: str, start, maximum, step, low: float, high: float, cap: bool) -> List[float]:
-    """The bounds ``start + k * step`` <= ``maximum`` of range ``name``, in decimal arithmetic."""
-    # 0.6 + 15 * 0.02 is 0.9 here, not 0.8999...; ``cap``: the authors' min(c + step, max) end
+    """The bounds ``start + k * step`` <= ``maximum`` of range ``name``: 0.6 + 15 * 0.02 is 0.9."""
     start = number(f"{name}_start", start, low, high)
     maximum = number(f"{name}_max", maximum, start, high)
     step = number(f"{name}_step", step, -math.inf, math.inf)  # a point never uses its step
@@ -47,10 +45,16 @@ def candidates(name: str, start, maximum, step, low: float, high: float, cap: bo
     if (b - a) // d + 1 + (cap and (b - a) % d != 0) > MAX_CANDIDATES:
         raise ValueError(f"BAPO: `{name}_step` {step} gives over {MAX_CANDIDATES} bounds")
     grid = [float(a + k * d) for k in range((b - a) // d + 1)]
-    grid += [maximum] if cap and grid[-1] < maximum else []
+    grid += [maximum] if cap and grid[-1] < maximum else []  # the authors' min(c + step, max)
     if any(c >= next_c for c, next_c in zip(grid, grid[1:])):  # a bound the walk would repeat
         raise ValueError(f"BAPO: `{name}_step` {step} is finer than floats in [{start}, {maximum}]")
     return grid
+
+
+def steps_below(ratio: torch.Tensor, bounds: List[float]) -> torch.Tensor:
+    """How many of the grid's ``bounds`` lie below each ratio, to within one: ceil((r - a) / d)."""
+    step = bounds[1] - bounds[0] if len(bounds) > 1 else 1.0
+    return ratio.sub(bounds[0]).mul_(1 / step).ceil_().clamp_(0, len(bounds))
 
 
 class BAPOPolicyLossFn(PolicyLossFn):
@@ -98,6 +102,8 @@ class BAPOPolicyLossFn(PolicyLossFn):
         high_first = [(0, j) for j in highs] + [(i, highs[-1]) for i in lows[1:]]  # Algorithm 1
         low_first = [(i, 0) for i in lows] + [(lows[-1], j) for j in highs[1:]]  # authors' code
         self.path = high_first if self.upper_first else low_first
+        edges = [-math.inf, *self.lower, *self.upper, math.inf]  # per bucket: the bounds around
+        self.bounds = torch.tensor([edges[:-1] * 2, edges[1:] * 2], dtype=torch.float64)
         self.sync_across_dp = sync_across_dp
         self.ppo_args: Dict[str, Any] = dict(clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode)
         if search_scope not in ("micro_batch", "update"):
@@ -179,28 +185,22 @@ class BAPOPolicyLossFn(PolicyLossFn):
         a, r = advantages.detach().reshape(-1).double(), ratio.reshape(-1).double()
         exact, n = self.lower + self.upper, len(self.lower)  # lower ones <= 1 <= upper ones
         c = torch.tensor(exact, dtype=ratio.dtype).tolist()  # as torch.clamp rounds them for PPO
-        # A copy that waits on no device work; the call's one sync is its sums' tolist().
-        edges, c64 = torch.tensor([exact, c], dtype=a.dtype).to(a.device, non_blocking=True)
-        # A token's bucket: the candidates below its r, exact (a tie r = c may go either side, as
-        # min(r, c) = r = c), and as rounded: no r of the dtype lies between an edge and its c64.
-        buckets = len(exact) + 1  # in each half, by the sign of A
-        bucket = torch.searchsorted(edges, r).add_((a < 0) * buckets)
-        # A NaN A or r to P's first bucket, P and rho NaN; not A r, NaN at A = 0 and float16's inf
-        bucket.masked_fill_(a.isnan() | r.isnan(), 0)
-        weight = a.abs()
-        sums = a.new_zeros(2, 2 * buckets).index_add_(1, bucket, torch.stack([weight * r, weight]))
-        # per bucket, the sums of |A| r and of |A| over the tokens with A > 0 and with A < 0
-        (pos_ar, neg_ar), (pos_a, neg_a) = sums.view(2, 2, buckets)
-
-        def at_most(per_bucket):  # at each candidate c_k, over the tokens with r <= c_k
-            return per_bucket.cumsum(0)[:-1]
-
-        def above(per_bucket):  # at each candidate c_k, over the tokens with r > c_k
-            return per_bucket.flip(0).cumsum(0).flip(0)[1:]
-
-        positive = at_most(pos_ar)[n:] + c64[n:] * above(pos_a)[n:]  # sum_{A>0} A min(r, c_high)
-        negative = above(neg_ar)[:n] + c64[:n] * at_most(neg_a)[:n]  # sum_{A<0} |A| max(r, c_low)
-        return log_r, advantages, c, torch.cat([positive, negative])
+        c64 = torch.tensor(c, dtype=a.dtype).to(a.device, non_blocking=True)  # copies that wait
+        bounds = self.bounds.to(a.device, non_blocking=True)  # on nothing; the sync: sums.tolist()
+        # A token's bucket, in its sign's half: the candidates below r (a tie r = c may go either
+        # way), guessed, then settled by the exact bounds; no r lies between one and its c.
+        guess = steps_below(r, self.lower) + steps_below(r, self.upper)
+        bucket = guess.add_(a < 0, alpha=len(exact) + 1).nan_to_num_().long()  # NaN r: P's first
+        low, high = (side.index_select(0, bucket) for side in bounds)  # around each guess
+        bucket.add_(high < r).add_(low >= r, alpha=-1)  # a NaN A: in P's half, P and rho NaN
+        weight, sums = a.abs(), a.new_zeros(self.bounds.shape)
+        sums[0].index_add_(0, bucket, weight * r)
+        sums[1].index_add_(0, bucket, weight)
+        (pos_ar, neg_ar), (pos_a, neg_a) = sums.view(2, 2, -1)  # |A| r, |A|; for A > 0, A < 0
+        # over the tokens with r <= c_k (prefix sums) and r > c_k (suffix sums), at each c_k
+        positive = pos_ar.cumsum(0)[n:-1] + c64[n:] * pos_a.flip(0).cumsum(0).flip(0)[n + 1 :]
+        negative = neg_ar.flip(0).cumsum(0).flip(0)[1 : n + 1] + c64[:n] * neg_a.cumsum(0)[:n]
+        return log_r, advantages, c, torch.cat([positive, negative])  # P at each c_high, N at c_low
 
     def _search(self, sums: List[float]) -> Tuple[int, int, float]:
         """Indices of (c_low, c_high) and rho there: the path's first pair with rho not < rho0."""
