@@ -109,7 +109,9 @@ def session(pr: make_pr.PullRequest, root: Path, listen: Path) -> List[list]:
     settings, records = config(root, files, command, ports), root / "session.sqlite"
     cosmic = [str(BIN / "cosmic-ray")]
     subprocess.run([*cosmic, "init", settings, records], cwd=root, check=True)
-    subprocess.run([str(BIN / "cr-filter-git"), "--config", settings, records], cwd=root, check=True)
+    subprocess.run(
+        [str(BIN / "cr-filter-git"), "--config", settings, records], cwd=root, check=True
+    )
     with ExitStack() as stack:
         for k, port in enumerate(ports):
             worker = root.parent / f"worker{k}"

@@ -141,7 +141,7 @@ def client(listen: str, timeout: str, dashes: str, *args: str) -> int:
     assert dashes == "--", "usage: client SOCKET TIMEOUT -- PYTEST_ARGS"
     with tempfile.TemporaryDirectory() as scratch, socket.socket(socket.AF_UNIX) as connection:
         out, err = (os.path.join(scratch, name) for name in ("out", "err"))
-        request = dict(cwd=os.getcwd(), hook=None, out=out, err=err, args=list(args))
+        request: dict = dict(cwd=os.getcwd(), hook=None, out=out, err=err, args=list(args))
         request.update(env=dict(os.environ), timeout=float(timeout))
         connection.connect(listen)
         with connection.makefile("rw") as stream:

@@ -15,7 +15,7 @@ from trinity.algorithm.policy_loss_fn.ppo_policy_loss import PPOPolicyLossFn
 AUTHORS = {"ratio_lower_max": 0.8, "ratio_lower_step": 0.05, "ratio_upper_max": 2.0}
 # lower_first with steps that divide neither range: the last bound of each is capped at its max
 UNEVEN = {**AUTHORS, "ratio_lower_step": 0.07, "ratio_upper_step": 0.25}
-GRIDS = (("upper_first", {}), ("lower_first", AUTHORS), ("lower_first", UNEVEN))
+GRIDS: tuple = (("upper_first", {}), ("lower_first", AUTHORS), ("lower_first", UNEVEN))
 
 
 def reference_search(tokens, args, bound=float):
