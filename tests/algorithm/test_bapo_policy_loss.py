@@ -1,6 +1,7 @@
 # -*- coding: utf-8 -*-
 """Test for the BAPO policy loss: its pair against a literal Algorithm 1, PPO at that pair."""
 
+import inspect
 import math
 import unittest
 from fractions import Fraction
@@ -21,7 +22,8 @@ GRIDS: tuple = (("upper_first", {}), ("lower_first", AUTHORS), ("lower_first", U
 def reference_search(tokens, args, bound=float):
     """Algorithm 1 (upper_first) or the authors' loops, with Eq. 8 recomputed at every pair.
 
-    ``bound``: a bound as the ratios' dtype holds it, where PPO's clamp compares them.
+    ``bound``: a bound as the ratios' dtype holds it, where PPO's clamp compares them. Returns the
+    pair, the raises made and whether rho0 is met there.
     """
     low, low_max, low_step, high, high_max, high_step = (
         Fraction(repr(args[f"ratio_{side}_{part}"]))
@@ -35,18 +37,20 @@ def reference_search(tokens, args, bound=float):
         rho = 1.0 if positive + negative == 0 else positive / (positive + negative)
         return rho < args["positive_contribution_target"]
 
+    steps = 0
     if args["search_order"] == "upper_first":
         while below_target() and low + low_step <= low_max:
             if high + high_step <= high_max:
                 high += high_step
             else:
                 low += low_step
+            steps += 1
     else:
         while below_target() and low < low_max:
-            low = min(low + low_step, low_max)
+            low, steps = min(low + low_step, low_max), steps + 1
         while below_target() and high < high_max:
-            high = min(high + high_step, high_max)
-    return float(low), float(high)
+            high, steps = min(high + high_step, high_max), steps + 1
+    return (float(low), float(high)), steps, float(not below_target())
 
 
 def held_as(dtype):
@@ -77,6 +81,7 @@ def search_cases():
         yield f"seed {seed}", (lp, old, torch.rand(4, 16, generator=gen) > 0.2, adv), 0.4
     tie = torch.tensor([[2.0, -3.0]], dtype=torch.float64)  # rho = 2 / 5: rho0 at the start pair
     yield "tie", (tie * 0, tie * 0, tie != 0, tie), 0.4
+    yield "all masked", (tie * 0, tie * 0, tie == 0, tie), 0.4  # rho is 1: the start pair
     # log r = 30, clamped to 20: rho crosses rho0 at c_high = 1.95 only with the clamp
     lp, big = torch.tensor([[30.0, math.log(3.5)]], dtype=torch.float64), math.exp(20) / 2.9
     yield "clamp", (lp, lp * 0, lp != 0, torch.tensor([[-1.0, big]], dtype=torch.float64)), 0.4
@@ -117,7 +122,8 @@ class BAPOPolicyLossTest(unittest.TestCase):
                 loss, grad, metrics = loss_and_grad(bapo(**args), lp, old, mask, adv)
                 got = (metrics["bapo_clip_low"], metrics["bapo_clip_high"])
                 want = reference_search(tokens, args, held_as(lp.dtype))
-                self.assertEqual(got, want, (name, order, grid))
+                steps = (metrics["bapo_search_steps"], metrics["bapo_target_met"])
+                self.assertEqual((got, *steps), want, (name, order, grid))
                 eps = dict(clip_range_low=1 - got[0], clip_range_high=got[1] - 1)
                 ppo_loss, ppo_grad, _ = loss_and_grad(PPOPolicyLossFn(**eps), lp, old, mask, adv)
                 self.assertTrue(torch.allclose(loss, ppo_loss) and torch.allclose(grad, ppo_grad))
@@ -160,7 +166,13 @@ class BAPOPolicyLossTest(unittest.TestCase):
             {"ratio_lower_step": 1e-18, "ratio_lower_start": 0.9, "ratio_lower_max": 0.9 + 2e-16},
             {"ratio_upper_max": 1e9},  # past exp(20), the largest ratio PPO's clamp leaves
             {"ratio_lower_step": -0.02},
+            {"ratio_lower_step": 0.0},
             {"clip_ratio_c": 1.0},  # PPO's dual clip needs C > 1
+            {"clip_ratio_c": 0.5},
+            # 10,001 bounds (the most is 10,000), the last one capped under lower_first
+            {"ratio_upper_step": 1e-4, "ratio_upper_start": 1.0, "ratio_upper_max": 2.0},
+            {"ratio_upper_step": 1e-4, "ratio_upper_start": 1.0, "ratio_upper_max": 1.99995}
+            | {"search_order": "lower_first"},
             {"positive_contribution_target": math.nan},
             {"sync_across_dp": "false"},
             {"search_order": "upper"},
@@ -170,6 +182,24 @@ class BAPOPolicyLossTest(unittest.TestCase):
         for args in bad:
             with self.subTest(args), self.assertRaisesRegex(ValueError, f"`{next(iter(args))}"):
                 POLICY_LOSS_FN.get("bapo")(**args)
+        for top, order in ((1.9999, "upper_first"), (1.99985, "lower_first")):  # 10,000 bounds
+            built = POLICY_LOSS_FN.get("bapo")(
+                ratio_upper_start=1.0,
+                ratio_upper_max=top,
+                ratio_upper_step=1e-4,
+                search_order=order,
+            )
+            self.assertEqual(len(built.upper), 10_000)
+
+    def test_the_defaults_are_the_papers(self):
+        """Sec. 5.1 in Algorithm 1's order, synchronised: the constructor's and default_args'."""
+        bapo, paper = POLICY_LOSS_FN.get("bapo"), dict(ratio_lower_start=0.6, ratio_lower_max=0.9)
+        paper.update(ratio_lower_step=0.02, ratio_upper_start=1.2, ratio_upper_max=3.0)
+        paper.update(ratio_upper_step=0.05, positive_contribution_target=0.4, clip_ratio_c=3.0)
+        paper.update(search_order="upper_first", loss_agg_mode="token-mean", sync_across_dp=True)
+        defaults, written = inspect.signature(bapo).parameters, bapo.default_args()
+        self.assertEqual({key: written[key] for key in paper}, paper)
+        self.assertEqual({key: defaults[key].default for key in paper}, paper)
 
     def test_the_preset_is_grpos_advantage_with_the_bapo_loss_alone(self):
         """`algorithm_type: bapo`: GRPO's advantage, the bapo loss; no critic, KL or entropy."""
@@ -178,6 +208,8 @@ class BAPOPolicyLossTest(unittest.TestCase):
         self.assertEqual(config["advantage_fn"], grpo.default_config()["advantage_fn"])
         self.assertEqual(config["policy_loss_fn"], "bapo")
         self.assertFalse(preset.use_critic or preset.use_reference)
+        for flag in ("compute_advantage_in_trainer", "can_balance_batch", "schema"):
+            self.assertEqual(getattr(preset, flag), getattr(grpo, flag), flag)
         for term in ("kl_penalty_fn", "kl_loss_fn", "entropy_loss_fn"):
             self.assertEqual(config[term], "none", term)
 
