@@ -17,6 +17,7 @@ AUTHORS = {"ratio_lower_max": 0.8, "ratio_lower_step": 0.05, "ratio_upper_max": 
 # lower_first with steps that divide neither range: the last bound of each is capped at its max
 UNEVEN = {**AUTHORS, "ratio_lower_step": 0.07, "ratio_upper_step": 0.25}
 GRIDS: tuple = (("upper_first", {}), ("lower_first", AUTHORS), ("lower_first", UNEVEN))
+FINE = {"ratio_upper_step": 1e-4, "ratio_upper_start": 1.0}  # 1e-4 apart from 1.0
 
 
 def reference_search(tokens, args, bound=float):
@@ -169,10 +170,8 @@ class BAPOPolicyLossTest(unittest.TestCase):
             {"ratio_lower_step": 0.0},
             {"clip_ratio_c": 1.0},  # PPO's dual clip needs C > 1
             {"clip_ratio_c": 0.5},
-            # 10,001 bounds (the most is 10,000), the last one capped under lower_first
-            {"ratio_upper_step": 1e-4, "ratio_upper_start": 1.0, "ratio_upper_max": 2.0},
-            {"ratio_upper_step": 1e-4, "ratio_upper_start": 1.0, "ratio_upper_max": 1.99995}
-            | {"search_order": "lower_first"},
+            {**FINE, "ratio_upper_max": 2.0},  # 10,001 bounds, one past the most
+            {**FINE, "ratio_upper_max": 1.99995, "search_order": "lower_first"},  # the last capped
             {"positive_contribution_target": math.nan},
             {"sync_across_dp": "false"},
             {"search_order": "upper"},
@@ -183,12 +182,7 @@ class BAPOPolicyLossTest(unittest.TestCase):
             with self.subTest(args), self.assertRaisesRegex(ValueError, f"`{next(iter(args))}"):
                 POLICY_LOSS_FN.get("bapo")(**args)
         for top, order in ((1.9999, "upper_first"), (1.99985, "lower_first")):  # 10,000 bounds
-            built = POLICY_LOSS_FN.get("bapo")(
-                ratio_upper_start=1.0,
-                ratio_upper_max=top,
-                ratio_upper_step=1e-4,
-                search_order=order,
-            )
+            built = POLICY_LOSS_FN.get("bapo")(**FINE, ratio_upper_max=top, search_order=order)
             self.assertEqual(len(built.upper), 10_000)
 
     def test_the_defaults_are_the_papers(self):
