@@ -15,7 +15,7 @@ VLLM_PYTHON := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.deps-installed
 BOTH := $(filter both --mode=both,$(TRINITY_RUN_ARGS))
 
-.PHONY: setup setup-vllm wheel test test-async lint pr demo trinity-run bench experiment sensitivity dp-check unpatch clean
+.PHONY: setup setup-vllm wheel test test-async lint pr mutate demo trinity-run bench experiment sensitivity dp-check unpatch clean
 
 # Installing the pins is slow, so it is stamped. The patched trinity-rft wheel (make wheel) is
 # stamped by its version: its label is a digest of patches/series and trinity/, so an edit there
@@ -72,6 +72,18 @@ lint: setup
 # dist/trinity-rft-bapo.patch: everything above as one patch against a Trinity-RFT 0.6.0 checkout.
 pr: setup
 	$(PYTHON) -m scripts.make_pr
+
+# Mutation testing of the lines the pull requests add, against each one's own tests in its patched
+# sdist tree (cosmic-ray, the mutate extra; minutes: not part of make test or CI). MUTATE_ARGS:
+# pull request names. It lists every survivor; patches/pr/equivalent-mutants.toml the reviewed ones.
+MUTATE_STAMP := $(VENV)/.mutate-installed
+MUTATE_ARGS ?=
+mutate: setup $(MUTATE_STAMP)
+	$(PYTHON) -m scripts.mutate $(MUTATE_ARGS)
+
+$(MUTATE_STAMP): $(DEPS_STAMP)
+	$(PYTHON) -m pip install --quiet -c constraints.txt ".[mutate]"
+	touch $@
 
 demo: setup
 	$(PYTHON) -m scripts.experiment demo $(DEMO_ARGS)

@@ -123,7 +123,7 @@ def test_point_ranges_equal_ppo(mask_kind, loss_agg_mode, eps_low, eps_high, ord
 
 
 FINE = dict(ratio_upper_start=1.0, ratio_upper_max=1.9999, ratio_upper_step=1e-4)
-LOWER, UPPER, STEP, NUMBER = "[0.0, 1.0]", "[1.0, ", "10000 bounds at most", "must be a number"
+LOWER, UPPER, STEP, NUMBER = "[0.0, 1.0]", "[1.0, ", "over 10000 bounds", "must be a number"
 BAD_ARGUMENTS: list[tuple[dict, str, str]] = [
     (dict(ratio_lower_start=0.9, ratio_lower_max=0.8), "ratio_lower_max", "[0.9, 1.0]"),
     (dict(ratio_upper_start=2.0, ratio_upper_max=1.5), "ratio_upper_max", "[2.0, "),
@@ -189,6 +189,7 @@ def test_invalid_arguments_name_the_argument_and_range(kwargs, name, allowed):
         BAPOPolicyLossFn(**kwargs)
     message = str(info.value)
     assert name in message and allowed in message, message
+    assert ("> 0" in message) == (allowed == "> 0"), message  # a fine step is no negative one
 
 
 PAPER_LOWER = [round(0.6 + 0.02 * k, 2) for k in range(16)]  # 0.6, 0.62, ..., 0.9

@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 
 import pytest
 
-from tests.forked_pytest import Server
+from scripts.harness.forked_pytest import Server
 
 REPO = Path(__file__).resolve().parents[1]
 SDIST = REPO / "build" / "sdist" / "trinity_rft-0.6.0.tar.gz"
@@ -390,10 +390,14 @@ BREAKAGES = {
     "sync_across_dp_ignored": "test_each_rank_takes_its_own_pair_without_sync_across_dp",
     "a_nan_walks_to_the_end": "test_a_nan_on_one_rank_keeps_the_start_pair_on_every_rank",
     "rho0_is_met_only_above_it": ALGORITHM_1,
+    "all_reduce_over_world": "test_the_sums_are_reduced_over_the_group_passed_not_world",
+    "trains_at_the_next_c_low": ALGORITHM_1,
 }
-# What the validator's Tinker refusal and Algorithm 1's stop do, and what undoes them
+# What the validator's Tinker refusal, Algorithm 1's stop, the all-reduce's group and the pair PPO
+# trains at do, and what undoes them
 VALIDATOR = "trinity/common/config_validator.py"
 STOP = "not rho(*pair) < self.target"  # a NaN rho, or one equal to rho0, stops the walk
+SUM = "dist.all_reduce(sums, op=dist.ReduceOp.SUM"  # the call's one all-reduce, over its group
 CHECK_EDITS = {
     "validator_skips_bapo": (
         VALIDATOR,
@@ -402,6 +406,8 @@ CHECK_EDITS = {
     ),
     "a_nan_walks_to_the_end": (MODULE, STOP, "rho(*pair) >= self.target"),
     "rho0_is_met_only_above_it": (MODULE, STOP, "rho(*pair) > self.target"),
+    "all_reduce_over_world": (MODULE, f"{SUM}, group=group)  # Eq. 8", f"{SUM})  # Eq. 8"),
+    "trains_at_the_next_c_low": (MODULE, "1 - c[i]", "1 - c[min(i + 1, len(self.lower) - 1)]"),
 }
 # A hook run before the tests (and in the ranks they fork): all_reduce does nothing, or BAPO's
 # constructor drops a user's setting for its default, with the module's file untouched
@@ -584,14 +590,14 @@ def test_pull_request_tests_name_the_unit_of_every_timedelta():
 
 
 def test_bapo_keeps_to_the_size_of_sapos_pull_request(written, tmp_path_factory) -> None:
-    """At most 550 lines added, a module of at most 180, one example config, 40 description lines.
+    """At most 650 lines added, a module of at most 180, one example config, 40 description lines.
 
     The module guards only what Trinity can hand it: no numpy scalars, no private torch helper
     for non-tensor arguments, no bounds clipped to the ratio's dtype.
     """
     patch = (written / "trinity-rft-bapo.patch").read_text()
     inserted = re.search(r"(\d+) insertions\(\+\)", patch)
-    assert inserted and int(inserted.group(1)) <= 550, inserted
+    assert inserted and int(inserted.group(1)) <= 650, inserted
     module = (patched_tree("bapo", written, tmp_path_factory) / MODULE).read_text()
     assert len(module.splitlines()) <= 180
     for guard in ("numpy", "_get_object_coll_device", "finfo"):

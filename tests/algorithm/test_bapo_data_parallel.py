@@ -43,8 +43,14 @@ def alone(batches):
     return [metrics["bapo_clip_low"], metrics["bapo_clip_high"]]
 
 
-# The loss's arguments, and whether rank 0 has a NaN log-prob on a live token
-CASES = {"synced": ({}, False), "alone": ({"sync_across_dp": False}, False), "nan": ({}, True)}
+# The loss's arguments, whether rank 0 has a NaN log-prob on a live token, and the dp_group
+# passed: WORLD, or a group of this rank alone
+CASES = {
+    "synced": ({}, False, "world"),
+    "alone": ({"sync_across_dp": False}, False, "world"),
+    "nan": ({}, True, "world"),
+    "own_group": ({}, False, "own"),
+}
 
 
 def run_rank(rank, store):
@@ -52,13 +58,19 @@ def run_rank(rank, store):
     torch.set_num_threads(1)
     group = dict(rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", init_method=f"file://{store}", **group)
-    pairs = {name: rank_pair(rank, *case) for name, case in CASES.items()}
-    (Path(store).parent / f"rank{rank}.json").write_text(json.dumps(pairs))
+    groups = {"world": dist.group.WORLD, "own": [dist.new_group([r]) for r in range(WORLD)][rank]}
+    calls = {
+        name: rank_pair(rank, args, nan, groups[at]) for name, (args, nan, at) in CASES.items()
+    }
+    (Path(store).parent / f"rank{rank}.json").write_text(json.dumps(calls))
     dist.destroy_process_group()
 
 
-def rank_pair(rank, args, nan):
-    """The pair a rank's BAPO, built from ``args`` as the trainer builds it, chooses."""
+def rank_pair(rank, args, nan, group):
+    """The pair a rank's BAPO, built from ``args`` as the trainer builds it, chooses over ``group``.
+
+    With the number of all-reduces the call made.
+    """
     data = rank_batch(rank)
     if nan and rank == 0:
         data["log_prob"][tuple(data["response_mask"].nonzero()[0])] = float("nan")
@@ -70,11 +82,11 @@ def rank_pair(rank, args, nan):
     config = AlgorithmConfig(policy_loss_fn="bapo", kl_loss_fn="none", entropy_loss_fn="none")
     config.policy_loss_fn_args, config.kl_loss_fn_args = args, {}
     config.entropy_loss_fn_args = {"entropy_coef": 0.0}
-    batch = TensorDict(data, batch_size=[rows])
-    _, metrics = TrinityPolicyLoss(config)(
-        {"log_probs": log_prob.reshape(-1)}, batch, dist.group.WORLD
-    )
-    return [metrics["actor/bapo_clip_low"], metrics["actor/bapo_clip_high"]]
+    batch, loss = TensorDict(data, batch_size=[rows]), TrinityPolicyLoss(config)
+    with mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as all_reduce:
+        _, metrics = loss({"log_probs": log_prob.reshape(-1)}, batch, group)
+    pair = [metrics["actor/bapo_clip_low"], metrics["actor/bapo_clip_high"]]
+    return {"pair": pair, "all_reduces": all_reduce.call_count}
 
 
 class BAPODataParallelTest(unittest.TestCase):
@@ -90,13 +102,19 @@ class BAPODataParallelTest(unittest.TestCase):
             while not context.join(timeout=5):
                 assert time.monotonic() < deadline, f"the ranks ran past {TIMEOUT} s"
             ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(WORLD)]
-        cls.pairs = {name: [pairs[name] for pairs in ranks] for name in CASES}
+        cls.pairs = {name: [calls[name]["pair"] for calls in ranks] for name in CASES}
+        cls.all_reduces = {name: [calls[name]["all_reduces"] for calls in ranks] for name in CASES}
         cls.batches = [rank_batch(rank) for rank in range(WORLD)]
 
     def test_every_rank_takes_the_pair_of_the_union(self):
-        """A rank alone would choose another pair: the all-reduce makes them agree."""
+        """A rank alone would choose another pair: one all-reduce per call makes them agree."""
         self.assertEqual(self.pairs["synced"], [alone(self.batches)] * WORLD)
         self.assertNotEqual([alone([batch]) for batch in self.batches], self.pairs["synced"])
+        self.assertEqual(self.all_reduces["synced"], [1] * WORLD)
+
+    def test_the_sums_are_reduced_over_the_group_passed_not_world(self):
+        """Each rank its own group: each takes its own pair, where WORLD would give the union's."""
+        self.assertEqual(self.pairs["own_group"], [alone([batch]) for batch in self.batches])
 
     def test_each_rank_takes_its_own_pair_without_sync_across_dp(self):
         """``sync_across_dp: false``: no all-reduce, each rank's pair is its own tokens'."""

@@ -1,6 +1,7 @@
 # -*- coding: utf-8 -*-
-"""Test for the BAPO policy loss: its pair against a literal Algorithm 1, PPO at point ranges."""
+"""Test for the BAPO policy loss: its pair against a literal Algorithm 1, PPO at that pair."""
 
+import inspect
 import math
 import unittest
 from fractions import Fraction
@@ -8,12 +9,23 @@ from fractions import Fraction
 import torch
 from verl import DataProto
 
+from trinity.algorithm import ALGORITHM_TYPE
 from trinity.algorithm.policy_loss_fn import POLICY_LOSS_FN
 from trinity.algorithm.policy_loss_fn.ppo_policy_loss import PPOPolicyLossFn
 
+AUTHORS = {"ratio_lower_max": 0.8, "ratio_lower_step": 0.05, "ratio_upper_max": 2.0}
+# lower_first with steps that divide neither range: the last bound of each is capped at its max
+UNEVEN = {**AUTHORS, "ratio_lower_step": 0.07, "ratio_upper_step": 0.25}
+GRIDS: tuple = (("upper_first", {}), ("lower_first", AUTHORS), ("lower_first", UNEVEN))
+FINE = {"ratio_upper_step": 1e-4, "ratio_upper_start": 1.0}  # 1e-4 apart from 1.0
 
-def reference_search(tokens, args):
-    """Algorithm 1 (upper_first) or the authors' loops, with Eq. 8 recomputed at every pair."""
+
+def reference_search(tokens, args, bound=float):
+    """Algorithm 1 (upper_first) or the authors' loops, with Eq. 8 recomputed at every pair.
+
+    ``bound``: a bound as the ratios' dtype holds it, where PPO's clamp compares them. Returns the
+    pair, the raises made and whether rho0 is met there.
+    """
     low, low_max, low_step, high, high_max, high_step = (
         Fraction(repr(args[f"ratio_{side}_{part}"]))
         for side in ("lower", "upper")
@@ -21,23 +33,63 @@ def reference_search(tokens, args):
     )
 
     def below_target():  # Eq. 8: rho = P / (P + N), 1 where no token counts
-        positive = sum(a * min(r, float(high)) for r, a in tokens if a > 0)
-        negative = sum(-a * max(r, float(low)) for r, a in tokens if a < 0)
+        positive = sum(a * min(r, bound(high)) for r, a in tokens if a > 0)
+        negative = sum(-a * max(r, bound(low)) for r, a in tokens if a < 0)
         rho = 1.0 if positive + negative == 0 else positive / (positive + negative)
         return rho < args["positive_contribution_target"]
 
+    steps = 0
     if args["search_order"] == "upper_first":
         while below_target() and low + low_step <= low_max:
             if high + high_step <= high_max:
                 high += high_step
             else:
                 low += low_step
+            steps += 1
     else:
         while below_target() and low < low_max:
-            low = min(low + low_step, low_max)
+            low, steps = min(low + low_step, low_max), steps + 1
         while below_target() and high < high_max:
-            high = min(high + high_step, high_max)
-    return float(low), float(high)
+            high, steps = min(high + high_step, high_max), steps + 1
+    return (float(low), float(high)), steps, float(not below_target())
+
+
+def held_as(dtype):
+    """A bound as torch.clamp meets a ratio of ``dtype``: rounded to that dtype."""
+    return lambda bound: torch.tensor(float(bound), dtype=dtype).item()
+
+
+def loss_and_grad(loss_fn, logprob, old_logprob, action_mask, advantages):
+    """The loss, its gradient with respect to the log-probs, and the metrics of one call."""
+    logprob = logprob.clone().requires_grad_(True)
+    loss, metrics = loss_fn(
+        logprob=logprob, old_logprob=old_logprob, action_mask=action_mask, advantages=advantages
+    )
+    loss.backward()
+    return loss.detach(), logprob.grad, metrics
+
+
+def search_cases():
+    """(name, (logprob, old_logprob, mask, advantages), rho0) of each search case.
+
+    Seeded micro-batches, from mostly negative to mostly positive advantages, then three by hand.
+    """
+    for seed in range(8):
+        gen = torch.Generator().manual_seed(seed)
+        old = -torch.rand(4, 16, generator=gen, dtype=torch.float64)
+        lp = old + 0.6 * torch.randn(4, 16, generator=gen, dtype=torch.float64)
+        adv = torch.randn(4, 16, generator=gen, dtype=torch.float64) + 0.07 * (seed - 4)
+        yield f"seed {seed}", (lp, old, torch.rand(4, 16, generator=gen) > 0.2, adv), 0.4
+    tie = torch.tensor([[2.0, -3.0]], dtype=torch.float64)  # rho = 2 / 5: rho0 at the start pair
+    yield "tie", (tie * 0, tie * 0, tie != 0, tie), 0.4
+    yield "all masked", (tie * 0, tie * 0, tie == 0, tie), 0.4  # rho is 1: the start pair
+    # log r = 30, clamped to 20: rho crosses rho0 at c_high = 1.95 only with the clamp
+    lp, big = torch.tensor([[30.0, math.log(3.5)]], dtype=torch.float64), math.exp(20) / 2.9
+    yield "clamp", (lp, lp * 0, lp != 0, torch.tensor([[-1.0, big]], dtype=torch.float64)), 0.4
+    # bfloat16 holds 1.2 as 1.203125: rho0 lies between rho at the bounds as written and as held
+    lp = torch.tensor([[1.2, 1.0]], dtype=torch.bfloat16).log()
+    adv = torch.tensor([[1.0, -1.0]], dtype=torch.bfloat16)
+    yield "bfloat16", (lp, lp * 0, lp == lp, adv), (1.2 / 2.2 + 1.203125 / 2.203125) / 2
 
 
 class BAPOPolicyLossTest(unittest.TestCase):
@@ -57,32 +109,27 @@ class BAPOPolicyLossTest(unittest.TestCase):
         )
 
     def test_bapo_search_matches_a_literal_algorithm_one(self):
-        """Seeded micro-batches, from mostly negative to mostly positive advantages, and a tie.
+        """Each case in each order and grid; the loss and gradient are PPO's at the pair reported.
 
-        The tie: rho = 2 / (2 + 3) is rho0 exactly at the start pair, which therefore stays.
+        The tie keeps the start pair: rho = rho0 is not below rho0.
         """
-        bapo = POLICY_LOSS_FN.get("bapo")
-        authors = {"ratio_lower_max": 0.8, "ratio_lower_step": 0.05, "ratio_upper_max": 2.0}
-        pairs, tie = set(), torch.tensor([[2.0, -3.0]], dtype=torch.float64)
-        for seed in range(9):
-            gen = torch.Generator().manual_seed(seed)
-            old = -torch.rand(4, 16, generator=gen, dtype=torch.float64)
-            lp = old + 0.6 * torch.randn(4, 16, generator=gen, dtype=torch.float64)
-            adv = torch.randn(4, 16, generator=gen, dtype=torch.float64) + 0.15 * (seed - 4)
-            mask = torch.rand(4, 16, generator=gen) > 0.2
-            if seed == 8:
-                lp, old, adv, mask = tie * 0, tie * 0, tie, tie != 0
-            tokens = list(zip((lp - old).exp()[mask].tolist(), adv[mask].tolist()))
-            for order, grid in (("upper_first", {}), ("lower_first", authors)):
+        bapo, pairs = POLICY_LOSS_FN.get("bapo"), set()
+        for name, (lp, old, mask, adv), target in search_cases():
+            ratio = torch.exp(torch.clamp(lp - old, -20.0, 20.0))  # as PPO clamps log r
+            tokens = list(zip(ratio[mask].tolist(), adv[mask].tolist()))
+            for order, grid in GRIDS:
                 args = {**bapo.default_args(), **grid, "search_order": order}
-                _, metrics = bapo(**args)(
-                    logprob=lp, old_logprob=old, action_mask=mask, advantages=adv
-                )
+                args["positive_contribution_target"] = target
+                loss, grad, metrics = loss_and_grad(bapo(**args), lp, old, mask, adv)
                 got = (metrics["bapo_clip_low"], metrics["bapo_clip_high"])
-                self.assertEqual(got, reference_search(tokens, args), (seed, order))
+                want = reference_search(tokens, args, held_as(lp.dtype))
+                steps = (metrics["bapo_search_steps"], metrics["bapo_target_met"])
+                self.assertEqual((got, *steps), want, (name, order, grid))
+                eps = dict(clip_range_low=1 - got[0], clip_range_high=got[1] - 1)
+                ppo_loss, ppo_grad, _ = loss_and_grad(PPOPolicyLossFn(**eps), lp, old, mask, adv)
+                self.assertTrue(torch.allclose(loss, ppo_loss) and torch.allclose(grad, ppo_grad))
                 pairs.add(got)
-        self.assertEqual(metrics["bapo_positive_contribution"], 0.4)  # the tie
-        self.assertGreater(len(pairs), 4)  # start pairs, mid-path stops and ends of the grids
+        self.assertGreater(len(pairs), 10)  # start pairs, mid-path stops and ends of the grids
 
     def test_bapo_with_point_ranges_is_ppo(self):
         """Ranges collapsed to (0.8, 1.28): PPO's loss, gradient and metrics, for each setting."""
@@ -119,6 +166,12 @@ class BAPOPolicyLossTest(unittest.TestCase):
             {"ratio_lower_start": "0.6"},
             {"ratio_lower_step": 1e-18, "ratio_lower_start": 0.9, "ratio_lower_max": 0.9 + 2e-16},
             {"ratio_upper_max": 1e9},  # past exp(20), the largest ratio PPO's clamp leaves
+            {"ratio_lower_step": -0.02},
+            {"ratio_lower_step": 0.0},
+            {"clip_ratio_c": 1.0},  # PPO's dual clip needs C > 1
+            {"clip_ratio_c": 0.5},
+            {**FINE, "ratio_upper_max": 2.0},  # 10,001 bounds, one past the most
+            {**FINE, "ratio_upper_max": 1.99995, "search_order": "lower_first"},  # the last capped
             {"positive_contribution_target": math.nan},
             {"sync_across_dp": "false"},
             {"search_order": "upper"},
@@ -128,6 +181,31 @@ class BAPOPolicyLossTest(unittest.TestCase):
         for args in bad:
             with self.subTest(args), self.assertRaisesRegex(ValueError, f"`{next(iter(args))}"):
                 POLICY_LOSS_FN.get("bapo")(**args)
+        for top, order in ((1.9999, "upper_first"), (1.99985, "lower_first")):  # 10,000 bounds
+            built = POLICY_LOSS_FN.get("bapo")(**FINE, ratio_upper_max=top, search_order=order)
+            self.assertEqual(len(built.upper), 10_000)
+
+    def test_the_defaults_are_the_papers(self):
+        """Sec. 5.1 in Algorithm 1's order, synchronised: the constructor's and default_args'."""
+        bapo, paper = POLICY_LOSS_FN.get("bapo"), dict(ratio_lower_start=0.6, ratio_lower_max=0.9)
+        paper.update(ratio_lower_step=0.02, ratio_upper_start=1.2, ratio_upper_max=3.0)
+        paper.update(ratio_upper_step=0.05, positive_contribution_target=0.4, clip_ratio_c=3.0)
+        paper.update(search_order="upper_first", loss_agg_mode="token-mean", sync_across_dp=True)
+        defaults, written = inspect.signature(bapo).parameters, bapo.default_args()
+        self.assertEqual({key: written[key] for key in paper}, paper)
+        self.assertEqual({key: defaults[key].default for key in paper}, paper)
+
+    def test_the_preset_is_grpos_advantage_with_the_bapo_loss_alone(self):
+        """`algorithm_type: bapo`: GRPO's advantage, the bapo loss; no critic, KL or entropy."""
+        preset, grpo = (ALGORITHM_TYPE.get(name) for name in ("bapo", "grpo"))
+        config = preset.default_config()
+        self.assertEqual(config["advantage_fn"], grpo.default_config()["advantage_fn"])
+        self.assertEqual(config["policy_loss_fn"], "bapo")
+        self.assertFalse(preset.use_critic or preset.use_reference)
+        for flag in ("compute_advantage_in_trainer", "can_balance_batch", "schema"):
+            self.assertEqual(getattr(preset, flag), getattr(grpo, flag), flag)
+        for term in ("kl_penalty_fn", "kl_loss_fn", "entropy_loss_fn"):
+            self.assertEqual(config[term], "none", term)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from trinity.common.config_validator import BufferConfigValidator, validators
 
 try:
     from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
     from verl.workers.engine.base import BaseEngine
 
     from trinity.trainer.verl.losses import TrinityPolicyLoss
@@ -69,13 +70,13 @@ def rank_batch(rank, seed=0):
 class LogProbEngine(BaseEngine):
     """verl's engine calling convention on ready log-probs: no model, no optimizer.
 
-    ``forward_backward_batch`` cuts the batch into micro-batches of ``rows`` rows, calls the loss
-    on each with the group, and back-propagates it unless ``forward_only``, as verl's FSDP engine
-    does; ``train_batch`` and ``infer_batch`` (no grad) are verl's own.
+    ``forward_backward_batch`` cuts the batch into micro-batches of the rows its settings give,
+    calls the loss on each with the group, and back-propagates it unless ``forward_only``, as
+    verl's FSDP engine does; ``train_batch`` and ``infer_batch`` (no grad) are verl's own.
     """
 
     def __init__(self, rows, group, module=None):
-        """Micro-batches of ``rows`` rows; ``group``: the data-parallel group the loss gets.
+        """Its config's micro-batches of ``rows`` rows; ``group``: the group the loss gets.
 
         ``module``: the model the worker inspects before a pass (none by default).
         """
@@ -84,9 +85,9 @@ class LogProbEngine(BaseEngine):
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         """Each micro-batch through the loss, back-propagated unless ``forward_only``."""
-        calls = []
-        for start in range(0, len(data), self.rows):
-            output, fields = trinity_layout(data[start : start + self.rows])
+        calls, rows = [], data["micro_batch_size_per_gpu"]  # as verl's engines read it
+        for start in range(0, len(data), rows):
+            output, fields = trinity_layout(data[start : start + rows])
             loss, metrics = loss_function(output, fields, dp_group=self.group)
             if not forward_only:
                 loss.backward()
@@ -123,9 +124,16 @@ class Actor:
         """As TrainingWorker.set_loss_fn."""
         self.loss_fn = loss_fn
 
+    def settled(self, data):
+        """``data`` with the engine config's settings where absent, as TrainingWorker fills them."""
+        for key, value in vars(self.engine_config).items():
+            if key not in data.keys():
+                tu.assign_non_tensor(data, **{key: value})
+        return data
+
     def train_batch(self, data):
-        """One optimizer update, called as TrainingWorker.train_batch calls the engine."""
-        return self.engine.train_batch(data, loss_function=self.loss_fn)
+        """One optimizer update, as TrainingWorker.train_batch calls the engine."""
+        return self.engine.train_batch(self.settled(data), loss_function=self.loss_fn)
 
 
 def configured_actor(engine, args, policy_loss_fn="bapo", worker=None):
@@ -227,7 +235,8 @@ def update(rank, args, batch, worker=True):
     if error:
         return {"raised": error}
     pairs = [chosen(call) for call in out["calls"]]
-    after = raised(lambda: engine.infer_batch(as_data(batch), loss_function=actor.loss_fn))
+    data = actor.settled(as_data(batch))
+    after = raised(lambda: engine.infer_batch(data, loss_function=actor.loss_fn))
     return {"pairs": pairs, "all_reduces": all_reduce.call_count, "after": after}
 
 
@@ -323,6 +332,10 @@ class BAPOUpdateScopeConfigTest(unittest.TestCase):
                 "layerdrop",
             ),
             (
+                offline_config(plain, ARGS, model={"override_config": {"drop_path_rate": 0.1}}),
+                "drop_path_rate",
+            ),
+            (
                 offline_config(plain, ARGS, actor={"router_replay": {"mode": "R2"}}),
                 "router_replay.mode",
             ),
@@ -351,11 +364,16 @@ class BAPOUpdateScopeConfigTest(unittest.TestCase):
 
     @unittest.skipUnless(ENGINE, "needs verl >= 0.8, whose engine the worker runs")
     def test_the_worker_refuses_a_pass_through_a_dropout_module(self):
-        """The built model's modules: dropout above 0 refused, named; 0, or micro_batch, trains."""
+        """The built model's modules: dropout above 0 or a batch norm refused, named; else trains.
+
+        Dropout at 0, or under micro_batch, trains.
+        """
         dropout = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))
-        worker = configured_actor(LogProbEngine(2, None, dropout), ARGS)
-        with self.assertRaisesRegex(ValueError, r"`1` \(Dropout\(p=0.1"):
-            worker.actor.train_batch(as_data(rank_batch(0)))
+        norm = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+        for model, named in ((dropout, r"`1` \(Dropout\(p=0.1"), (norm, r"`1` \(BatchNorm1d")):
+            worker = configured_actor(LogProbEngine(2, None, model), ARGS)
+            with self.subTest(named), self.assertRaisesRegex(ValueError, named):
+                worker.actor.train_batch(as_data(rank_batch(0)))
         worker = configured_actor(LogProbEngine(2, None, dropout), {"search_scope": "micro_batch"})
         worker.actor.train_batch(as_data(rank_batch(0)))
         off = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0))

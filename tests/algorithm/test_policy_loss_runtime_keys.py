@@ -50,12 +50,15 @@ class PlainLoss(PolicyLossFn):
 
 
 def call_engine_loss(policy_loss_fn, dp_group):
-    """Call TrinityPolicyLoss as verl's engine does (two rows of 3 response tokens, no padding)."""
+    """Call TrinityPolicyLoss as verl's engine does (two rows of 3 response tokens, no padding).
+
+    With a KL loss, whose `ref_log_prob` TrinityPolicyLoss hands the policy loss too.
+    """
     config = AlgorithmConfig(
         policy_loss_fn="ppo",
         policy_loss_fn_args={"clip_range": 0.2},
-        kl_loss_fn="none",
-        kl_loss_fn_args={},
+        kl_loss_fn="k2",
+        kl_loss_fn_args={"kl_coef": 0.001},
         entropy_loss_fn="none",
         entropy_loss_fn_args={"entropy_coef": 0.0},
         loss_agg_mode="token-mean",
@@ -70,6 +73,7 @@ def call_engine_loss(policy_loss_fn, dp_group):
             "response_mask": torch.ones(2, 3, dtype=torch.long),
             "old_log_probs": torch.zeros(2, 3),
             "advantages": torch.ones(2, 3),
+            "ref_log_prob": torch.zeros(2, 3),
         },
         batch_size=[2],
     )
@@ -94,7 +98,7 @@ class PolicyLossRuntimeKeysTest(unittest.TestCase):
             self.assertIs(loss_fn.received["dp_group"], group)
 
     def test_a_loss_that_declares_nothing_sees_what_it_saw_before(self):
-        """No runtime key: no extra keyword argument, and the same batch fields."""
+        """No runtime key: no extra keyword argument (not `ref_log_prob`), the same batch fields."""
         loss_fn = PlainLoss()
         call_engine_loss(loss_fn, object())
         self.assertEqual(loss_fn.received, {})

@@ -44,9 +44,11 @@ class PolicyLossArgsConfigTest(unittest.TestCase):
     """The mode's three places, and arguments the loss refuses."""
 
     def test_a_mode_written_at_algorithm_level_reaches_the_loss(self):
-        """Beside other loss arguments that leave the mode out."""
+        """Beside loss arguments that leave it out; not to a loss that takes none (DPO's)."""
         config = validated(loss_agg_mode=MODE, loss_args={"clip_range": 0.2})
         self.assertEqual(config.algorithm.policy_loss_fn_args["loss_agg_mode"], MODE)
+        config = validated("dpo", loss_agg_mode=MODE)
+        self.assertNotIn("loss_agg_mode", config.algorithm.policy_loss_fn_args)
 
     def test_a_mode_written_only_in_the_loss_args_is_the_algorithms_and_logged(self):
         """0.6.0 replaced such a mode with token-mean: such a config now trains otherwise."""
@@ -95,10 +97,16 @@ class PolicyLossArgsConfigTest(unittest.TestCase):
             self.assertEqual(built.call_args.kwargs["backend"], backend, trainer)
 
     def test_a_value_the_constructor_refuses_fails_at_validation(self):
-        """PPO asserts its dual clip; the ValueError carries the constructor's message."""
+        """PPO asserts its dual clip; the ValueError carries the constructor's message.
+
+        Another error of the constructor (a bug, not a refusal) passes unchanged.
+        """
         with self.assertRaisesRegex(ValueError, "`ppo`: clip_ratio_c must be greater"):
             validated(loss_args={"clip_range": 0.2, "clip_ratio_c": 0.5})
         validated(loss_args={"clip_range": 0.2, "clip_ratio_c": 1.5})  # the control
+        broken = mock.patch.object(PPOPolicyLossFn, "__init__", side_effect=RuntimeError("bug"))
+        with broken, self.assertRaisesRegex(RuntimeError, "^bug$"):
+            validated(loss_args={"clip_range": 0.2})
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 On stale data negative-advantage tokens dominate the update: BAPO raises c_low and c_high inside
 movable ranges until positive tokens carry a share rho0 of the loss (Eq. 8), over the dp_group.
-A bad argument raises a ValueError naming it where the loss is built: when the trainer starts,
-or at config validation where that builds the loss.
+A bad value raises a ValueError naming its argument when the trainer builds the loss, a key BAPO
+does not take Python's TypeError (a config validation that builds it can report both before).
 With ``search_scope: update`` the pair is chosen once per optimizer update instead, from a pass
 over the update's micro-batches that the trainer runs first (``optimizer_update``).
 """
@@ -33,28 +33,28 @@ def number(name: str, value, low: float, high: float) -> float:
 
 
 def candidates(name: str, start, maximum, step, low: float, high: float, cap: bool) -> List[float]:
-    """The bounds ``start + k * step`` <= ``maximum`` of range ``name``, in decimal arithmetic."""
-    # 0.6 + 15 * 0.02 is 0.9 here, not 0.8999...; ``cap``: the authors' min(c + step, max) end
+    """The bounds ``start + k * step`` <= ``maximum`` of range ``name``: 0.6 + 15 * 0.02 is 0.9."""
     start = number(f"{name}_start", start, low, high)
     maximum = number(f"{name}_max", maximum, start, high)
     step = number(f"{name}_step", step, -math.inf, math.inf)  # a point never uses its step
     if start == maximum:
         return [start]
     a, b, d = (Fraction(str(x)) for x in (start, maximum, step))
-    if not (d > 0 and (b - a) // d + 1 + (cap and (b - a) % d != 0) <= MAX_CANDIDATES):
-        raise ValueError(f"BAPO: `{name}_step` must be > 0, for {MAX_CANDIDATES} bounds at most")
+    if not d > 0:
+        raise ValueError(f"BAPO: `{name}_step` must be > 0: {step}")
+    if (b - a) // d + 1 + (cap and (b - a) % d != 0) > MAX_CANDIDATES:
+        raise ValueError(f"BAPO: `{name}_step` {step} gives over {MAX_CANDIDATES} bounds")
     grid = [float(a + k * d) for k in range((b - a) // d + 1)]
-    grid += [maximum] if cap and grid[-1] < maximum else []
-    if any(c >= next_c for c, next_c in zip(grid, grid[1:])):  # the buckets need distinct bounds
+    grid += [maximum] if cap and grid[-1] < maximum else []  # the authors' min(c + step, max)
+    if any(c >= next_c for c, next_c in zip(grid, grid[1:])):  # a bound the walk would repeat
         raise ValueError(f"BAPO: `{name}_step` {step} is finer than floats in [{start}, {maximum}]")
     return grid
 
 
-def below(ratio: torch.Tensor, bounds: List[float], capped: bool) -> torch.Tensor:
-    """How many ``bounds`` (a + k d, then a capped maximum) lie below each float64 ``ratio``."""
+def steps_below(ratio: torch.Tensor, bounds: List[float]) -> torch.Tensor:
+    """How many of the grid's ``bounds`` lie below each ratio, to within one: ceil((r - a) / d)."""
     step = bounds[1] - bounds[0] if len(bounds) > 1 else 1.0
-    count = ratio.sub(bounds[0]).mul_(1 / step).ceil_().clamp_(0, len(bounds) - capped)
-    return count.add_(ratio > bounds[-1]) if capped else count
+    return ratio.sub(bounds[0]).mul_(1 / step).ceil_().clamp_(0, len(bounds))
 
 
 class BAPOPolicyLossFn(PolicyLossFn):
@@ -102,6 +102,8 @@ class BAPOPolicyLossFn(PolicyLossFn):
         high_first = [(0, j) for j in highs] + [(i, highs[-1]) for i in lows[1:]]  # Algorithm 1
         low_first = [(i, 0) for i in lows] + [(lows[-1], j) for j in highs[1:]]  # authors' code
         self.path = high_first if self.upper_first else low_first
+        edges = [-math.inf, *self.lower, *self.upper, math.inf]  # per bucket: the bounds around
+        self.bounds = torch.tensor([edges[:-1] * 2, edges[1:] * 2], dtype=torch.float64)
         self.sync_across_dp = sync_across_dp
         self.ppo_args: Dict[str, Any] = dict(clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode)
         if search_scope not in ("micro_batch", "update"):
@@ -128,6 +130,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         i, j, rho = self._fixed or self._search(sums.tolist())
         eps = dict(clip_range_low=1 - c[i], clip_range_high=c[len(self.lower) + j] - 1)  # PPO's
         ppo = PPOPolicyLossFn(backend=self.backend, **eps, **self.ppo_args)
+        # PPO reads logprob - old_logprob alone: the masked log-ratio against an old one of 0
         pg_loss, metrics = ppo(log_r, log_r.new_zeros(()), action_mask, advantages)
         return pg_loss, {
             "bapo_clip_low": self.lower[i],
@@ -175,31 +178,29 @@ class BAPOPolicyLossFn(PolicyLossFn):
         self._fixed = self._search(state["sums"].tolist())
 
     def _prepare(self, logprob, old_logprob, action_mask, advantages):
-        """Log-ratio and advantages for PPO (masked tokens zeroed), the candidates c, Eq. 8's sums.
-
-        [P at each c_high, N at each c_low], from each token's bucket: how many candidates lie
-        below its r (a tie r = c may go either side: min(r, c) = r = c), by the sign of its A.
-        """
+        """Log-ratio and advantages for PPO (masked tokens zeroed), bounds c, and Eq. 8's sums."""
         advantages = torch.where(action_mask.bool(), advantages, 0.0)
         log_r = torch.where(action_mask.bool(), logprob - old_logprob, 0.0)
         ratio = torch.exp(torch.clamp(log_r.detach(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        c = torch.tensor(self.lower + self.upper, dtype=ratio.dtype)  # as torch.clamp rounds them
         a, r = advantages.detach().reshape(-1).double(), ratio.reshape(-1).double()
-        n, capped = len(self.lower), not self.upper_first  # lower_first: a grid may be capped
-        buckets = n + len(self.upper) + 1  # in each half
-        bucket = below(r, self.lower, capped) + below(r, self.upper, capped)
-        negative_half = a.sign().neg_().clamp_(min=0)  # 1 where A < 0
-        # A NaN's bucket is 0, in P's half: P is NaN at every c_high, and so is rho. A float16 r
-        # past 65504 is inf, in the last bucket, which P never reads: A = 0 there adds no 0 * inf.
-        bucket = bucket.add_(negative_half, alpha=buckets).nan_to_num_().long()
-        sums = [a.new_zeros(2 * buckets).index_add_(0, bucket, v) for v in (a.abs() * r, a.abs())]
-        by_bucket = torch.stack(sums).view(2, 2, buckets)  # [|A| r or |A|, sign half, bucket]
-        at_most_c = by_bucket.cumsum(-1)[..., :-1]  # over the tokens with r <= c_k
-        above_c = by_bucket.flip(-1).cumsum(-1).flip(-1)[..., 1:]  # over those with r > c_k
-        c64 = c.to(a, non_blocking=True)  # from the host, waiting on nothing
-        positive = at_most_c[0, 0, n:] + c64[n:] * above_c[1, 0, n:]  # sum_{A>0} A min(r, c)
-        negative = above_c[0, 1, :n] + c64[:n] * at_most_c[1, 1, :n]  # sum_{A<0} |A| max(r, c)
-        return log_r, advantages, c.tolist(), torch.cat([positive, negative])
+        exact, n = self.lower + self.upper, len(self.lower)  # lower ones <= 1 <= upper ones
+        c = torch.tensor(exact, dtype=ratio.dtype).tolist()  # as torch.clamp rounds them for PPO
+        c64 = torch.tensor(c, dtype=a.dtype).to(a.device, non_blocking=True)  # copies that wait
+        bounds = self.bounds.to(a.device, non_blocking=True)  # on nothing; the sync: sums.tolist()
+        # A token's bucket, in its sign's half: the candidates below r (a tie r = c may go either
+        # way), guessed, then settled by the exact bounds; no r lies between one and its c.
+        guess = steps_below(r, self.lower) + steps_below(r, self.upper)
+        bucket = guess.add_(a < 0, alpha=len(exact) + 1).nan_to_num_().long()  # NaN r: P's first
+        low, high = (side.index_select(0, bucket) for side in bounds)  # around each guess
+        bucket.add_(high < r).add_(low >= r, alpha=-1)  # a NaN A: in P's half, P and rho NaN
+        weight, sums = a.abs(), a.new_zeros(self.bounds.shape)
+        sums[0].index_add_(0, bucket, weight * r)
+        sums[1].index_add_(0, bucket, weight)
+        (pos_ar, neg_ar), (pos_a, neg_a) = sums.view(2, 2, -1)  # |A| r, |A|; for A > 0, A < 0
+        # over the tokens with r <= c_k (prefix sums) and r > c_k (suffix sums), at each c_k
+        positive = pos_ar.cumsum(0)[n:-1] + c64[n:] * pos_a.flip(0).cumsum(0).flip(0)[n + 1 :]
+        negative = neg_ar.flip(0).cumsum(0).flip(0)[1 : n + 1] + c64[:n] * neg_a.cumsum(0)[:n]
+        return log_r, advantages, c, torch.cat([positive, negative])  # P at each c_high, N at c_low
 
     def _search(self, sums: List[float]) -> Tuple[int, int, float]:
         """Indices of (c_low, c_high) and rho there: the path's first pair with rho not < rho0."""

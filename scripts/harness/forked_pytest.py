@@ -6,14 +6,22 @@ test of a few seconds. The server (this file run as a script) imports them, neve
 cwd (the tree, which ``''`` at the head of ``sys.path`` names, as the cwd does for ``python -m``),
 its environment and output files, runs the hook a ``sitecustomize.py`` would have run at start,
 then ``pytest.main``. The ranks a test forks inherit what the hook did, as they do today.
+
+Given a Unix socket, the server also takes runs from other processes, several at once:
+``python scripts/harness/forked_pytest.py client SOCKET TIMEOUT -- ARGS`` is ``python -m pytest
+ARGS`` in the caller's cwd and environment (a mutation tester's test command).
 """
 
+import gc
 import importlib
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -43,12 +51,15 @@ LAUNCH = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
 class Server:
     """One server process; ``pytest`` answers as ``subprocess.run`` would for a fresh pytest."""
 
-    def __init__(self, scratch: Path) -> None:
-        """Start the server in ``scratch`` (which also takes each run's output files)."""
+    def __init__(self, scratch: Path, listen: Optional[Path] = None) -> None:
+        """Start the server in ``scratch`` (which also takes each run's output files).
+
+        ``listen``: a Unix socket it also answers clients on.
+        """
         self.scratch, self.runs = scratch, 0
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         self.process = subprocess.Popen(
-            [sys.executable, "-c", LAUNCH, __file__],
+            [sys.executable, "-c", LAUNCH, __file__, *([str(listen)] if listen else [])],
             cwd=scratch,
             env=env,
             stdin=subprocess.PIPE,
@@ -79,14 +90,67 @@ class Server:
         self.process.wait(timeout=60)
 
 
-def serve() -> None:
-    """Import the environment's heavy packages, then answer each request line with its status."""
+def serve(listen: Optional[str] = None) -> None:
+    """Import the environment's heavy packages, then answer each request with its status.
+
+    Requests come as lines on stdin, and as connections on the socket ``listen``, each answered
+    by a process of its own; the server ends with its input.
+    """
     for name in PRELOAD:
         importlib.import_module(name)
     assert not [name for name in sys.modules if name.split(".")[0] in ("trinity", "tests")]
-    for line in sys.stdin:
-        print(run_forked(**json.loads(line)), flush=True)
+    gc.freeze()  # what they made is never collected: pytest's closing gc.collect() skips it
+    sources: list = [sys.stdin]
+    if listen:
+        sources.append(socket.socket(socket.AF_UNIX))
+        sources[1].bind(listen)
+        sources[1].listen()
+    while True:
+        ready = select.select(sources, [], [])[0]
+        reap()
+        if sys.stdin not in ready:
+            answer_connection(*sources[1].accept())
+        elif not (line := sys.stdin.readline()):
+            break
+        else:
+            print(run_forked(**json.loads(line)), flush=True)
     os._exit(0)  # nothing to clean up: spare the finalization of what was imported
+
+
+def reap() -> None:
+    """Collect the processes that answered connections and ended."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:  # none is left
+        pass
+
+
+def answer_connection(connection: socket.socket, _address) -> None:
+    """Answer one client's request (a JSON line) with its status, from a process of its own."""
+    if os.fork():
+        connection.close()
+        return
+    with connection, connection.makefile("rw") as stream:
+        stream.write(f"{run_forked(**json.loads(stream.readline()))}\n")
+    os._exit(0)
+
+
+def client(listen: str, timeout: str, dashes: str, *args: str) -> int:
+    """``python -m pytest *args`` in this cwd and environment, run by the server on ``listen``."""
+    assert dashes == "--", "usage: client SOCKET TIMEOUT -- PYTEST_ARGS"
+    with tempfile.TemporaryDirectory() as scratch, socket.socket(socket.AF_UNIX) as connection:
+        out, err = (os.path.join(scratch, name) for name in ("out", "err"))
+        request: dict = dict(cwd=os.getcwd(), hook=None, out=out, err=err, args=list(args))
+        request.update(env=dict(os.environ), timeout=float(timeout))
+        connection.connect(listen)
+        with connection.makefile("rw") as stream:
+            stream.write(json.dumps(request) + "\n")
+            stream.flush()
+            status = int(stream.readline() or 3)
+        for name, to in ((out, sys.stdout), (err, sys.stderr)):
+            to.write(Path(name).read_text() if os.path.exists(name) else "")
+    return 0 if status == 0 else 1
 
 
 def run_forked(cwd: str, hook: Optional[str], out: str, err: str, args, env, timeout) -> int:
@@ -111,6 +175,7 @@ def child(cwd: str, hook: Optional[str], out: str, err: str, args, env) -> NoRet
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
+        sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))  # as at a start
         if hook:
             exec(compile(Path(hook).read_text(), hook, "exec"), {"__name__": "sitecustomize"})
         import pytest
@@ -129,4 +194,6 @@ def child(cwd: str, hook: Optional[str], out: str, err: str, args, env) -> NoRet
 
 
 if __name__ == "__main__":
-    serve()
+    if sys.argv[1:2] == ["client"]:
+        sys.exit(client(*sys.argv[2:]))
+    serve(*sys.argv[2:3])  # run by LAUNCH: [-c, this file, the socket if any]
