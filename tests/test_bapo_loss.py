@@ -123,7 +123,8 @@ def test_point_ranges_equal_ppo(mask_kind, loss_agg_mode, eps_low, eps_high, ord
 
 
 FINE = dict(ratio_upper_start=1.0, ratio_upper_max=1.9999, ratio_upper_step=1e-4)
-LOWER, UPPER, STEP, NUMBER = "[0.0, 1.0]", "[1.0, ", "over 10000 bounds", "must be a number"
+LOWER, UPPER, STEP, NUMBER = "[0.0, 1.0]", "[1.0, ", "makes over 10000 steps", "must be a number"
+NEGATIVE = "must be a number in [0, inf]"  # a step below 0, refused as no number of its range
 BAD_ARGUMENTS: list[tuple[dict, str, str]] = [
     (dict(ratio_lower_start=0.9, ratio_lower_max=0.8), "ratio_lower_max", "[0.9, 1.0]"),
     (dict(ratio_upper_start=2.0, ratio_upper_max=1.5), "ratio_upper_max", "[2.0, "),
@@ -134,14 +135,14 @@ BAD_ARGUMENTS: list[tuple[dict, str, str]] = [
     (dict(ratio_upper_max=math.inf), "ratio_upper_max", "[1.2, "),
     (dict(ratio_upper_max=10**500), "ratio_upper_max", "[1.2, "),
     (point(0.8, 1e9), "ratio_upper_start", UPPER),  # beyond exp(20), which no clamped ratio passes
-    (dict(ratio_lower_step=0.0), "ratio_lower_step", "> 0"),
-    (dict(ratio_lower_step=-0.02), "ratio_lower_step", "> 0"),
+    (dict(ratio_lower_step=0.0), "ratio_lower_step", STEP),  # never reaching the max
+    (dict(ratio_lower_step=-0.02), "ratio_lower_step", NEGATIVE),
     (dict(ratio_lower_step=math.nan), "ratio_lower_step", NUMBER),
-    (dict(ratio_upper_step=0.0), "ratio_upper_step", "> 0"),
+    (dict(ratio_upper_step=0.0), "ratio_upper_step", STEP),
     (dict(ratio_upper_step=True), "ratio_upper_step", NUMBER),
     (dict(ratio_upper_step=1e-5), "ratio_upper_step", STEP),
     (dict(ratio_upper_step=1e-300), "ratio_upper_step", STEP),
-    (dict(FINE, ratio_upper_max=2.0), "ratio_upper_step", STEP),  # 10,001: one too many
+    (dict(FINE, ratio_upper_max=2.00005), "ratio_upper_step", STEP),  # 10,000.5 steps
     (dict(positive_contribution_target=-0.1), "positive_contribution_target", "[0, 1]"),
     (dict(positive_contribution_target=1.5), "positive_contribution_target", "[0, 1]"),
     (dict(positive_contribution_target=math.nan), "positive_contribution_target", "[0, 1]"),
@@ -160,8 +161,7 @@ BAD_ARGUMENTS: list[tuple[dict, str, str]] = [
     (dict(sync_across_dp=1), "sync_across_dp", "true or false"),
     (dict(point(0.8, 1.5), ratio_lower_step="junk"), "ratio_lower_step", NUMBER),
     (dict(point(0.8, 1.5), ratio_upper_step=None), "ratio_upper_step", NUMBER),
-    # lower_first's cap adds 1.99995 to 10,000 steps of 1e-4: one candidate too many
-    (dict(FINE, ratio_upper_max=1.99995, search_order="lower_first"), "ratio_upper_step", STEP),
+    (dict(point(0.8, 1.5), ratio_upper_step=-1.0), "ratio_upper_step", NEGATIVE),  # a point too
     (dict(search_scope="step"), "search_scope", "micro_batch or update"),
     # grids whose candidates round to fewer floats than they count: refused, naming the range
     (
@@ -189,7 +189,7 @@ def test_invalid_arguments_name_the_argument_and_range(kwargs, name, allowed):
         BAPOPolicyLossFn(**kwargs)
     message = str(info.value)
     assert name in message and allowed in message, message
-    assert ("> 0" in message) == (allowed == "> 0"), message  # a fine step is no negative one
+    assert allowed != STEP or NEGATIVE not in message, message  # a fine step is no negative one
 
 
 PAPER_LOWER = [round(0.6 + 0.02 * k, 2) for k in range(16)]  # 0.6, 0.62, ..., 0.9
@@ -199,10 +199,17 @@ SEVENTHS = [0.6, 0.67, 0.74, 0.81, 0.88]  # 0.9 is no step of 0.07 from 0.6
 # Arguments at the edge of what is allowed, and the grids (lower, upper) each must build.
 BOUNDARY_ARGUMENTS = [
     (point(1.0, 1.0), [1.0], [1.0]),  # both edges at 1: fixed clipping at r = 1
-    (dict(point(0.8, 1.5), ratio_lower_step=0.0, ratio_upper_step=-1.0), [0.8], [1.5]),
+    (dict(point(0.8, 1.5), ratio_lower_step=0.0, ratio_upper_step=0.0), [0.8], [1.5]),
     (dict(ratio_lower_start=0.8, ratio_lower_max=0.8, search_order="lower_first"), [0.8], None),
     (dict(ratio_upper_start=2.0, ratio_upper_max=2.0), None, [2.0]),
-    (FINE, None, [round(1 + k / 10**4, 4) for k in range(10**4)]),  # 10,000: the most allowed
+    (FINE, None, [round(1 + k / 10**4, 4) for k in range(10**4)]),  # 9,999 steps
+    # 10,000 steps, the most allowed; 9,999.5 and lower_first's cap, which counts as no step
+    (dict(FINE, ratio_upper_max=2.0), None, [round(1 + k / 10**4, 4) for k in range(10**4 + 1)]),
+    (
+        dict(FINE, ratio_upper_max=1.99995, search_order="lower_first"),
+        None,
+        [round(1 + k / 10**4, 4) for k in range(10**4)] + [1.99995],
+    ),
     (dict(ratio_lower_step=0.07), SEVENTHS, None),
     (dict(ratio_lower_step=0.07, search_order="lower_first"), SEVENTHS + [0.9], None),  # capped
     # 9,999 steps of 1e-4 and lower_first's cap at 1.99985: 10,000 candidates, the most allowed

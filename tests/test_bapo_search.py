@@ -28,7 +28,7 @@ from tests.inputs import (
     overflow_case,
     point,
 )
-from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn, candidates
+from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn, below, candidates
 
 LOWER_STEPS = (0.01, 0.02, 0.025, 0.03, 0.04, 0.05, 0.07, 0.1, 0.15, 0.2)
 UPPER_STEPS = (0.03, 0.05, 0.07, 0.1, 0.2, 0.25, 0.3, 0.5)
@@ -332,3 +332,43 @@ def test_overflowing_ratios_of_each_sign_follow_eq8_in_every_dtype(dtype, kind, 
     assert chosen(m) == want and want != (0.6, 1.2, 0)
     rho = oracle.rho(tokens, *map(bound, want[:2]))
     assert m["bapo_positive_contribution"] == pytest.approx(rho, rel=1e-9, abs=0)
+
+
+def _grids() -> list:
+    """(grid, capped): the paper's, the authors', uneven, fine and random ones; capped too."""
+    rng, found = random.Random(7), []
+    settings = [(0.6, 0.9, 0.02), (1.2, 3.0, 0.05), (0.6, 0.8, 0.05), (0.4, 0.8, 0.07)]
+    settings += [(1.2, 2.0, 0.25), (1.0, 2.0, 1e-4), (0.8, 0.8, 0.1)]
+    for _ in range(40):
+        start = round(rng.uniform(0.0, 0.9), rng.randint(1, 4))
+        settings.append((start, round(rng.uniform(start, 1.0), 3), rng.choice(LOWER_STEPS)))
+        start = round(rng.uniform(1.0, 5.0), rng.randint(1, 4))
+        settings.append((start, round(rng.uniform(start, 9.0), 3), rng.choice(UPPER_STEPS)))
+    for start, maximum, step in settings:
+        high = 1.0 if maximum <= 1.0 else math.exp(20)
+        for capped in (False, True):
+            grid = candidates("r", start, maximum, step, 0.0 if high == 1.0 else 1.0, high, capped)
+            found.append((grid, capped))
+    return found
+
+
+def test_below_counts_the_bounds_under_every_float32_ratio_as_searchsorted_does():
+    """At each bound's float32 neighbours and a spread of others; ties (r on a bound) either way.
+
+    Float64 ratios may miss by one, and only within a few of float64's steps of a bound.
+    """
+    for grid, capped in _grids():
+        bounds = torch.tensor(grid, dtype=torch.float64)
+        f32 = bounds.float()
+        spread = torch.linspace(grid[0] - 1, grid[-1] + 1, 2001, dtype=torch.float32)
+        near = [f32.nextafter(f32 - math.inf), f32, f32.nextafter(f32 + math.inf), spread]
+        r = torch.cat(near).double()
+        low, high = (torch.searchsorted(bounds, r, right=side) for side in (False, True))
+        count = below(r, grid, capped).long()
+        assert ((low <= count) & (count <= high)).all(), (grid[:3], capped)
+        r64 = torch.cat([bounds.nextafter(bounds + s * math.inf) for s in (-1, 1)] + [r])
+        off = below(r64, grid, capped).long() - torch.searchsorted(bounds, r64)
+        missed = r64[off != 0, None]  # each within 4 of float64's steps of some bound
+        assert (off.abs() <= 1).all(), grid[:3]
+        step = 4 * bounds * torch.finfo(bounds.dtype).eps
+        assert ((missed - bounds).abs() <= step).any(1).all(), grid[:3]

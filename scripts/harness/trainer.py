@@ -156,7 +156,7 @@ def train(run: Variant, seed: int, setting: Setting, out: Path, args) -> None:
     actor = worker_actor(engine, loss_config(run.loss, run.args))
     loss_fn = actor.loss_fn
     recorder = LossRecorder(loss_fn, engine.get_data_parallel_group(), keep_inputs=True)
-    upper_first = run.loss == "bapo" and recorder.upper_first and len(recorder.lower) > 1
+    upper_first = run.loss == "bapo" and not recorder.capped and len(recorder.lower) > 1
     lower = recorder.lower if upper_first else []
     snapshots = deque([copy.deepcopy(behaviour.state_dict())], maxlen=setting.lag + 1)
     # this rank's streams: training prompts and samples, evaluation prompts and samples

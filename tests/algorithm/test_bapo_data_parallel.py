@@ -16,6 +16,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import yaml
 from tensordict import TensorDict
 
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
@@ -67,10 +68,7 @@ def run_rank(rank, store):
 
 
 def rank_pair(rank, args, nan, group):
-    """The pair a rank's BAPO, built from ``args`` as the trainer builds it, chooses over ``group``.
-
-    With the number of all-reduces the call made.
-    """
+    """The pair BAPO, built from ``args`` as the trainer does, takes over ``group``; all-reduces."""
     data = rank_batch(rank)
     if nan and rank == 0:
         data["log_prob"][tuple(data["response_mask"].nonzero()[0])] = float("nan")
@@ -134,15 +132,17 @@ class BAPOTinkerTest(unittest.TestCase):
         """Tinker calls the loss once per experience: the bounds would be chosen per sequence."""
         no_ray = mock.patch("ray.init", side_effect=AssertionError("ray.init was called"))
         no_tinker = mock.patch.dict("sys.modules", {"tinker": None})  # its import fails
-        for algorithm_type, loss in (("bapo", None), ("grpo", "bapo")):
-            for enable, trainer_type in ((True, "verl"), (False, "tinker"), (True, "tinker")):
+        trainers = yaml.safe_load("[[true, verl], [false, tinker], [true, tinker]]")  # as read
+        for algorithm_type, loss in yaml.safe_load("[[bapo, null], [grpo, bapo], [grpo, ppo]]"):
+            for enable, trainer_type in trainers:
                 config = Config()  # no cluster block: the cluster validator would start Ray
                 config.model.model_path, config.model.max_model_len = "model", 64
                 config.model.tinker.enable, config.trainer.trainer_type = enable, trainer_type
                 config.algorithm.algorithm_type = algorithm_type
                 config.algorithm.policy_loss_fn = loss
-                with no_ray, no_tinker, self.assertRaisesRegex(ValueError, "BAPO does not run"):
+                with no_ray, no_tinker, self.assertRaises(Exception) as refused:
                     config.check_and_update()
+                self.assertEqual("BAPO does not run" in str(refused.exception), loss != "ppo")
         config.model.tinker.enable, config.trainer.trainer_type = False, "verl"  # the control
         with no_ray, self.assertRaisesRegex(AssertionError, "ray.init was called"):
             config.check_and_update()

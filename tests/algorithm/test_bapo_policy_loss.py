@@ -7,6 +7,7 @@ import unittest
 from fractions import Fraction
 
 import torch
+import yaml
 from verl import DataProto
 
 from trinity.algorithm import ALGORITHM_TYPE
@@ -15,16 +16,20 @@ from trinity.algorithm.policy_loss_fn.ppo_policy_loss import PPOPolicyLossFn
 
 AUTHORS = {"ratio_lower_max": 0.8, "ratio_lower_step": 0.05, "ratio_upper_max": 2.0}
 # lower_first with steps that divide neither range: the last bound of each is capped at its max
-UNEVEN = {**AUTHORS, "ratio_lower_step": 0.07, "ratio_upper_step": 0.25}
+UNEVEN = {**AUTHORS, "ratio_lower_start": 0.4, "ratio_lower_step": 0.07, "ratio_upper_step": 0.25}
 GRIDS: tuple = (("upper_first", {}), ("lower_first", AUTHORS), ("lower_first", UNEVEN))
-FINE = {"ratio_upper_step": 1e-4, "ratio_upper_start": 1.0}  # 1e-4 apart from 1.0
+FINE = {"ratio_upper_step": 1e-4, "ratio_upper_start": 1.0}  # 10,000 steps to 2.0, the most
 
 
-def reference_search(tokens, args, bound=float):
+def as_read(args):
+    """The arguments as Trinity reads them from a YAML file: new str and float objects."""
+    return yaml.safe_load(yaml.safe_dump(args))
+
+
+def reference_search(tokens, args, dtype):
     """Algorithm 1 (upper_first) or the authors' loops, with Eq. 8 recomputed at every pair.
 
-    ``bound``: a bound as the ratios' dtype holds it, where PPO's clamp compares them. Returns the
-    pair, the raises made and whether rho0 is met there.
+    Bounds as PPO's clamp meets ratios of ``dtype``, rounded to it. The pair, its raises, its rho.
     """
     low, low_max, low_step, high, high_max, high_step = (
         Fraction(repr(args[f"ratio_{side}_{part}"]))
@@ -32,48 +37,40 @@ def reference_search(tokens, args, bound=float):
         for part in ("start", "max", "step")
     )
 
-    def below_target():  # Eq. 8: rho = P / (P + N), 1 where no token counts
+    def bound(c):
+        return torch.tensor(float(c), dtype=dtype).item()
+
+    def rho():  # Eq. 8: P / (P + N), 1 where no token counts
         positive = sum(a * min(r, bound(high)) for r, a in tokens if a > 0)
         negative = sum(-a * max(r, bound(low)) for r, a in tokens if a < 0)
-        rho = 1.0 if positive + negative == 0 else positive / (positive + negative)
-        return rho < args["positive_contribution_target"]
+        return 1.0 if positive + negative == 0 else positive / (positive + negative)
 
-    steps = 0
+    steps, target = 0, args["positive_contribution_target"]
     if args["search_order"] == "upper_first":
-        while below_target() and low + low_step <= low_max:
+        while rho() < target and low + low_step <= low_max:
             if high + high_step <= high_max:
                 high += high_step
             else:
                 low += low_step
             steps += 1
     else:
-        while below_target() and low < low_max:
+        while rho() < target and low < low_max:
             low, steps = min(low + low_step, low_max), steps + 1
-        while below_target() and high < high_max:
+        while rho() < target and high < high_max:
             high, steps = min(high + high_step, high_max), steps + 1
-    return (float(low), float(high)), steps, float(not below_target())
-
-
-def held_as(dtype):
-    """A bound as torch.clamp meets a ratio of ``dtype``: rounded to that dtype."""
-    return lambda bound: torch.tensor(float(bound), dtype=dtype).item()
+    return (float(low), float(high)), steps, rho()
 
 
 def loss_and_grad(loss_fn, logprob, old_logprob, action_mask, advantages):
     """The loss, its gradient with respect to the log-probs, and the metrics of one call."""
     logprob = logprob.clone().requires_grad_(True)
-    loss, metrics = loss_fn(
-        logprob=logprob, old_logprob=old_logprob, action_mask=action_mask, advantages=advantages
-    )
+    loss, metrics = loss_fn(logprob, old_logprob, action_mask, advantages)
     loss.backward()
     return loss.detach(), logprob.grad, metrics
 
 
 def search_cases():
-    """(name, (logprob, old_logprob, mask, advantages), rho0) of each search case.
-
-    Seeded micro-batches, from mostly negative to mostly positive advantages, then three by hand.
-    """
+    """(name, (logprob, old_logprob, mask, advantages), rho0): seeded ones, then some by hand."""
     for seed in range(8):
         gen = torch.Generator().manual_seed(seed)
         old = -torch.rand(4, 16, generator=gen, dtype=torch.float64)
@@ -120,11 +117,12 @@ class BAPOPolicyLossTest(unittest.TestCase):
             for order, grid in GRIDS:
                 args = {**bapo.default_args(), **grid, "search_order": order}
                 args["positive_contribution_target"] = target
-                loss, grad, metrics = loss_and_grad(bapo(**args), lp, old, mask, adv)
+                loss, grad, metrics = loss_and_grad(bapo(**as_read(args)), lp, old, mask, adv)
                 got = (metrics["bapo_clip_low"], metrics["bapo_clip_high"])
-                want = reference_search(tokens, args, held_as(lp.dtype))
-                steps = (metrics["bapo_search_steps"], metrics["bapo_target_met"])
-                self.assertEqual((got, *steps), want, (name, order, grid))
+                pair, steps, rho = reference_search(tokens, args, lp.dtype)
+                self.assertEqual((got, metrics["bapo_search_steps"]), (pair, steps), (name, grid))
+                self.assertAlmostEqual(metrics["bapo_positive_contribution"], rho, 12, name)
+                self.assertEqual(metrics["bapo_target_met"], float(rho >= target), name)
                 eps = dict(clip_range_low=1 - got[0], clip_range_high=got[1] - 1)
                 ppo_loss, ppo_grad, _ = loss_and_grad(PPOPolicyLossFn(**eps), lp, old, mask, adv)
                 self.assertTrue(torch.allclose(loss, ppo_loss) and torch.allclose(grad, ppo_grad))
@@ -132,9 +130,9 @@ class BAPOPolicyLossTest(unittest.TestCase):
         self.assertGreater(len(pairs), 10)  # start pairs, mid-path stops and ends of the grids
 
     def test_bapo_with_point_ranges_is_ppo(self):
-        """Ranges collapsed to (0.8, 1.28): PPO's loss, gradient and metrics, for each setting."""
-        points = {"ratio_lower_start": 0.8, "ratio_lower_max": 0.8}
-        points.update(ratio_upper_start=1.28, ratio_upper_max=1.28)
+        """Ranges collapsed to (0.8, 1.28), as a YAML file gives them: PPO, for each setting."""
+        points = as_read({"ratio_lower_start": 0.8, "ratio_lower_max": 0.8, "ratio_lower_step": 0})
+        points.update(as_read({"ratio_upper_start": 1.28, "ratio_upper_max": 1.28}))
         modes = (
             "token-mean",
             "seq-mean-token-sum",
@@ -164,26 +162,35 @@ class BAPOPolicyLossTest(unittest.TestCase):
         """What a YAML file can hold, each refused with a ValueError naming the argument."""
         bad = [
             {"ratio_lower_start": "0.6"},
-            {"ratio_lower_step": 1e-18, "ratio_lower_start": 0.9, "ratio_lower_max": 0.9 + 2e-16},
+            {"ratio_lower_start": -0.1},  # a ratio bound below 0
+            {"ratio_lower_max": 1.5},  # c_low past 1
+            {"ratio_upper_start": 0.9},  # c_high below 1
             {"ratio_upper_max": 1e9},  # past exp(20), the largest ratio PPO's clamp leaves
-            {"ratio_lower_step": -0.02},
+            {"ratio_lower_step": 1e-18, "ratio_lower_start": 0.9, "ratio_lower_max": 0.9 + 2e-16},
+            {"ratio_lower_step": -0.02, "ratio_lower_max": 0.6},  # a point's step too
             {"ratio_lower_step": 0.0},
+            {**FINE, "ratio_upper_max": 2.00005},  # 10,000.5 steps
             {"clip_ratio_c": 1.0},  # PPO's dual clip needs C > 1
             {"clip_ratio_c": 0.5},
-            {**FINE, "ratio_upper_max": 2.0},  # 10,001 bounds, one past the most
-            {**FINE, "ratio_upper_max": 1.99995, "search_order": "lower_first"},  # the last capped
             {"positive_contribution_target": math.nan},
+            {"positive_contribution_target": -0.1},
+            {"positive_contribution_target": 1.1},
             {"sync_across_dp": "false"},
             {"search_order": "upper"},
             {"loss_agg_mode": "mean"},
             {"ratio_lower_max": 0.6},  # upper_first: c_high would never move
+            {"ratio_lower_max": 0.6, "ratio_upper_max": 1.25},  # nor with two candidates
         ]
         for args in bad:
             with self.subTest(args), self.assertRaisesRegex(ValueError, f"`{next(iter(args))}"):
-                POLICY_LOSS_FN.get("bapo")(**args)
-        for top, order in ((1.9999, "upper_first"), (1.99985, "lower_first")):  # 10,000 bounds
-            built = POLICY_LOSS_FN.get("bapo")(**FINE, ratio_upper_max=top, search_order=order)
-            self.assertEqual(len(built.upper), 10_000)
+                POLICY_LOSS_FN.get("bapo")(**as_read(args))
+        edges = [{"positive_contribution_target": 0.0}, {"positive_contribution_target": 1.0}]
+        edges += [{"ratio_lower_start": 0.0, "ratio_lower_step": 0.3}, {"ratio_lower_max": 1.0}]
+        edges += [{"ratio_upper_start": 1.0}, {"clip_ratio_c": 1.5}, {**FINE, "ratio_upper_max": 2}]
+        for args in edges:  # each at the edge of its range
+            with self.subTest(args):
+                built = POLICY_LOSS_FN.get("bapo")(**as_read(args))
+        self.assertEqual(len(built.upper), 10_001)  # FINE's: 10,000 steps and the start
 
     def test_the_defaults_are_the_papers(self):
         """Sec. 5.1 in Algorithm 1's order, synchronised: the constructor's and default_args'."""
@@ -199,7 +206,8 @@ class BAPOPolicyLossTest(unittest.TestCase):
         """`algorithm_type: bapo`: GRPO's advantage, the bapo loss; no critic, KL or entropy."""
         preset, grpo = (ALGORITHM_TYPE.get(name) for name in ("bapo", "grpo"))
         config = preset.default_config()
-        self.assertEqual(config["advantage_fn"], grpo.default_config()["advantage_fn"])
+        for key in ("advantage_fn", "repeat_times", "sample_strategy"):
+            self.assertEqual(config[key], grpo.default_config()[key], key)
         self.assertEqual(config["policy_loss_fn"], "bapo")
         self.assertFalse(preset.use_critic or preset.use_reference)
         for flag in ("compute_advantage_in_trainer", "can_balance_batch", "schema"):

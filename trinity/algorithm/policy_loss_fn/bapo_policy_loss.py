@@ -1,9 +1,6 @@
 """BAPO (https://arxiv.org/abs/2510.18927): PPO clipping with ratio bounds chosen per call.
 
-On stale data negative-advantage tokens dominate the update: BAPO raises c_low and c_high inside
-movable ranges until positive tokens carry a share rho0 of the loss (Eq. 8), over the dp_group.
-A bad value raises a ValueError naming its argument when the trainer builds the loss, a key BAPO
-does not take Python's TypeError (a config validation that builds it can report both before).
+On stale data negative tokens dominate: c_low and c_high rise until positive ones carry rho0.
 With ``search_scope: update`` the pair is chosen once per optimizer update instead, from a pass
 over the update's micro-batches that the trainer runs first (``optimizer_update``).
 """
@@ -21,7 +18,7 @@ from trinity.algorithm.policy_loss_fn.ppo_policy_loss import PPOPolicyLossFn
 
 LOG_RATIO_CLAMP = 20.0  # |log r| is clamped as PPOPolicyLossFn does
 MAX_RATIO = math.exp(LOG_RATIO_CLAMP)  # no ratio exceeds it: a larger c_high would never clip
-MAX_CANDIDATES = 10_000  # per range: a call sums Eq. 8 at every candidate, so the grid is held
+MAX_STEPS = 10_000  # per range: a call sums Eq. 8 at every candidate, so the grid is held
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -36,25 +33,36 @@ def candidates(name: str, start, maximum, step, low: float, high: float, cap: bo
     """The bounds ``start + k * step`` <= ``maximum`` of range ``name``: 0.6 + 15 * 0.02 is 0.9."""
     start = number(f"{name}_start", start, low, high)
     maximum = number(f"{name}_max", maximum, start, high)
-    step = number(f"{name}_step", step, -math.inf, math.inf)  # a point never uses its step
+    step = number(f"{name}_step", step, 0, math.inf)  # a point never uses its step
     if start == maximum:
         return [start]
     a, b, d = (Fraction(str(x)) for x in (start, maximum, step))
-    if not d > 0:
-        raise ValueError(f"BAPO: `{name}_step` must be > 0: {step}")
-    if (b - a) // d + 1 + (cap and (b - a) % d != 0) > MAX_CANDIDATES:
-        raise ValueError(f"BAPO: `{name}_step` {step} gives over {MAX_CANDIDATES} bounds")
+    if b - a > MAX_STEPS * d:  # a step of 0 too, which never reaches the max
+        raise ValueError(f"BAPO: `{name}_step` {step} makes over {MAX_STEPS} steps to {maximum}")
     grid = [float(a + k * d) for k in range((b - a) // d + 1)]
-    grid += [maximum] if cap and grid[-1] < maximum else []  # the authors' min(c + step, max)
-    if any(c >= next_c for c, next_c in zip(grid, grid[1:])):  # a bound the walk would repeat
+    grid += [maximum] if cap and grid[-1] < maximum else []  # the authors' min(c + d, b)
+    if len(set(grid)) < len(grid):  # the walk would raise a bound to itself
         raise ValueError(f"BAPO: `{name}_step` {step} is finer than floats in [{start}, {maximum}]")
     return grid
 
 
-def steps_below(ratio: torch.Tensor, bounds: List[float]) -> torch.Tensor:
-    """How many of the grid's ``bounds`` lie below each ratio, to within one: ceil((r - a) / d)."""
-    step = bounds[1] - bounds[0] if len(bounds) > 1 else 1.0
-    return ratio.sub(bounds[0]).mul_(1 / step).ceil_().clamp_(0, len(bounds))
+def below(ratio: torch.Tensor, grid: List[float], capped: bool) -> torch.Tensor:
+    """How many bounds of the grid lie below each r, as searchsorted counts: by step, a cap apart.
+
+    For bounds of a few decimals, no ratio of float32 or a narrower dtype lies within float64's
+    rounding of one without being it: the count is exact (a float64 one may count a tie's way).
+    """
+    count = ratio.sub(grid[0]).mul_(1 / (grid[1] - grid[0]) if len(grid) > 1 else 1.0).ceil_()
+    count = count.clamp_(0, len(grid) - capped)
+    return count.add_(ratio > grid[-1]) if capped else count
+
+
+def _at_most(sums: torch.Tensor) -> torch.Tensor:  # per c_k: over the tokens with r <= c_k
+    return sums.cumsum(0)[:-1]
+
+
+def _above(sums: torch.Tensor) -> torch.Tensor:  # per c_k: over the tokens with r > c_k
+    return sums.flip(0).cumsum(0).flip(0)[1:]
 
 
 class BAPOPolicyLossFn(PolicyLossFn):
@@ -71,8 +79,7 @@ class BAPOPolicyLossFn(PolicyLossFn):
         ratio_upper_start: float = 1.2,  # a+, the first c_high tried
         ratio_upper_max: float = 3.0,  # b+, the highest c_high
         ratio_upper_step: float = 0.05,  # delta1, the step of c_high
-        # rho0 (Eq. 8): 0.4 in the paper's Sec. 5.1; the authors' README: 0.5 "as used in the paper"
-        positive_contribution_target: float = 0.4,
+        positive_contribution_target: float = 0.4,  # rho0 (Eq. 8), Sec. 5.1's; authors' README: 0.5
         search_order: str = "upper_first",  # Algorithm 1; lower_first: the authors' code
         clip_ratio_c: float = 3.0,  # C, PPO's dual clip for A < 0
         loss_agg_mode: str = "token-mean",
@@ -88,22 +95,19 @@ class BAPOPolicyLossFn(PolicyLossFn):
         if loss_agg_mode not in AGG_MODES:
             raise ValueError(f"BAPO: `loss_agg_mode` must be one of {', '.join(AGG_MODES)}")
         self.target = number("positive_contribution_target", positive_contribution_target, 0, 1)
-        clip_ratio_c = number("clip_ratio_c", clip_ratio_c, 1, math.inf)
-        if clip_ratio_c == 1:
+        if number("clip_ratio_c", clip_ratio_c, 1, math.inf) == 1:  # PPO's dual clip needs C > 1
             raise ValueError("BAPO: `clip_ratio_c` must be > 1")
-        self.upper_first = search_order == "upper_first"
+        self.capped = search_order == "lower_first"  # the authors' loops cap the last bound
         lower = (ratio_lower_start, ratio_lower_max, ratio_lower_step, 0.0, 1.0)
         upper = (ratio_upper_start, ratio_upper_max, ratio_upper_step, 1.0, MAX_RATIO)
-        self.lower = candidates("ratio_lower", *lower, cap=not self.upper_first)
-        self.upper = candidates("ratio_upper", *upper, cap=not self.upper_first)
-        if self.upper_first and len(self.lower) == 1 and len(self.upper) > 1:  # c_high would stay
+        self.lower = candidates("ratio_lower", *lower, cap=self.capped)
+        self.upper = candidates("ratio_upper", *upper, cap=self.capped)
+        if not self.capped and len(self.lower) == 1 and len(self.upper) > 1:  # c_high would stay
             raise ValueError("BAPO: upper_first needs `ratio_lower_max` room; or use lower_first")
         lows, highs = range(len(self.lower)), range(len(self.upper))  # (i, j): (c_low, c_high)
         high_first = [(0, j) for j in highs] + [(i, highs[-1]) for i in lows[1:]]  # Algorithm 1
         low_first = [(i, 0) for i in lows] + [(lows[-1], j) for j in highs[1:]]  # authors' code
-        self.path = high_first if self.upper_first else low_first
-        edges = [-math.inf, *self.lower, *self.upper, math.inf]  # per bucket: the bounds around
-        self.bounds = torch.tensor([edges[:-1] * 2, edges[1:] * 2], dtype=torch.float64)
+        self.path = low_first if self.capped else high_first
         self.sync_across_dp = sync_across_dp
         self.ppo_args: Dict[str, Any] = dict(clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode)
         if search_scope not in ("micro_batch", "update"):
@@ -178,29 +182,23 @@ class BAPOPolicyLossFn(PolicyLossFn):
         self._fixed = self._search(state["sums"].tolist())
 
     def _prepare(self, logprob, old_logprob, action_mask, advantages):
-        """Log-ratio and advantages for PPO (masked tokens zeroed), bounds c, and Eq. 8's sums."""
+        """Log-ratio and advantages for PPO (masked tokens zeroed), bounds c, Eq. 8's P and N."""
         advantages = torch.where(action_mask.bool(), advantages, 0.0)
         log_r = torch.where(action_mask.bool(), logprob - old_logprob, 0.0)
         ratio = torch.exp(torch.clamp(log_r.detach(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         a, r = advantages.detach().reshape(-1).double(), ratio.reshape(-1).double()
-        exact, n = self.lower + self.upper, len(self.lower)  # lower ones <= 1 <= upper ones
-        c = torch.tensor(exact, dtype=ratio.dtype).tolist()  # as torch.clamp rounds them for PPO
-        c64 = torch.tensor(c, dtype=a.dtype).to(a.device, non_blocking=True)  # copies that wait
-        bounds = self.bounds.to(a.device, non_blocking=True)  # on nothing; the sync: sums.tolist()
-        # A token's bucket, in its sign's half: the candidates below r (a tie r = c may go either
-        # way), guessed, then settled by the exact bounds; no r lies between one and its c.
-        guess = steps_below(r, self.lower) + steps_below(r, self.upper)
-        bucket = guess.add_(a < 0, alpha=len(exact) + 1).nan_to_num_().long()  # NaN r: P's first
-        low, high = (side.index_select(0, bucket) for side in bounds)  # around each guess
-        bucket.add_(high < r).add_(low >= r, alpha=-1)  # a NaN A: in P's half, P and rho NaN
-        weight, sums = a.abs(), a.new_zeros(self.bounds.shape)
-        sums[0].index_add_(0, bucket, weight * r)
-        sums[1].index_add_(0, bucket, weight)
-        (pos_ar, neg_ar), (pos_a, neg_a) = sums.view(2, 2, -1)  # |A| r, |A|; for A > 0, A < 0
-        # over the tokens with r <= c_k (prefix sums) and r > c_k (suffix sums), at each c_k
-        positive = pos_ar.cumsum(0)[n:-1] + c64[n:] * pos_a.flip(0).cumsum(0).flip(0)[n + 1 :]
-        negative = neg_ar.flip(0).cumsum(0).flip(0)[1 : n + 1] + c64[:n] * neg_a.cumsum(0)[:n]
-        return log_r, advantages, c, torch.cat([positive, negative])  # P at each c_high, N at c_low
+        c = torch.tensor(self.lower + self.upper, dtype=ratio.dtype).tolist()  # as PPO clamps
+        lows, half = len(self.lower), len(c) + 1  # c[:lows]: the c_low candidates
+        # A token's bucket k, in its sign's half: the exact bounds below r; PPO clamps at c, in r's
+        # dtype: no r lies between. A tie r = c_k may go either way; a NaN A or r: P's first, NaN.
+        bucket = below(r, self.lower, self.capped).add_(below(r, self.upper, self.capped))
+        bucket = bucket.add_(a.sign().neg_().clamp_(min=0), alpha=half).nan_to_num_().long()
+        sums = [a.new_zeros(2 * half).index_add_(0, bucket, v) for v in (a.abs() * r, a.abs())]
+        (pos_ar, neg_ar), (pos_a, neg_a) = (v.view(2, half) for v in sums)  # by A's sign
+        # Eq. 8 at each bound: P = sum_{A>0} A min(r, c_high), N = sum_{A<0} |A| max(r, c_low)
+        positive = _at_most(pos_ar)[lows:] + r.new_tensor(c[lows:]) * _above(pos_a)[lows:]
+        negative = _above(neg_ar)[:lows] + r.new_tensor(c[:lows]) * _at_most(neg_a)[:lows]
+        return log_r, advantages, c, torch.cat([positive, negative])  # synced by .tolist()
 
     def _search(self, sums: List[float]) -> Tuple[int, int, float]:
         """Indices of (c_low, c_high) and rho there: the path's first pair with rho not < rho0."""
