@@ -1,8 +1,7 @@
 # -*- coding: utf-8 -*-
-"""Test BAPO over two gloo data-parallel ranks, and the trainer it refuses.
+"""Test BAPO on two gloo ranks through TrinityPolicyLoss, and the trainer it refuses.
 
-The ranks call BAPO through TrinityPolicyLoss with their group, as verl's engine does. They are
-forked, so they start with the imports of this module instead of making them again.
+The ranks, forked with this module's imports, pass their group as verl's engine does.
 """
 
 import json
@@ -133,7 +132,7 @@ class BAPOTinkerTest(unittest.TestCase):
         no_ray = mock.patch("ray.init", side_effect=AssertionError("ray.init was called"))
         no_tinker = mock.patch.dict("sys.modules", {"tinker": None})  # its import fails
         trainers = yaml.safe_load("[[true, verl], [false, tinker], [true, tinker]]")  # as read
-        for algorithm_type, loss in yaml.safe_load("[[bapo, null], [grpo, bapo], [grpo, ppo]]"):
+        for algorithm_type, loss in yaml.safe_load("[[grpo, ppo], [bapo, null], [grpo, bapo]]"):
             for enable, trainer_type in trainers:
                 config = Config()  # no cluster block: the cluster validator would start Ray
                 config.model.model_path, config.model.max_model_len = "model", 64

@@ -15,9 +15,11 @@ from trinity.algorithm.policy_loss_fn import POLICY_LOSS_FN
 from trinity.algorithm.policy_loss_fn.ppo_policy_loss import PPOPolicyLossFn
 
 AUTHORS = {"ratio_lower_max": 0.8, "ratio_lower_step": 0.05, "ratio_upper_max": 2.0}
-# lower_first with steps that divide neither range: the last bound of each is capped at its max
-UNEVEN = {**AUTHORS, "ratio_lower_start": 0.4, "ratio_lower_step": 0.07, "ratio_upper_step": 0.25}
-GRIDS: tuple = (("upper_first", {}), ("lower_first", AUTHORS), ("lower_first", UNEVEN))
+UNEVEN = {**AUTHORS, "ratio_lower_start": 0.1, "ratio_lower_step": 0.3, "ratio_upper_step": 0.25}
+TWO = {"ratio_lower_max": 0.62, "ratio_upper_max": 1.25}  # two candidates on each range
+POINTS = {"ratio_lower_max": 0.6, "ratio_upper_max": 1.2}  # no room: the start pair
+GRIDS = [("upper_first", grid) for grid in ({}, TWO, POINTS)]
+GRIDS += [("lower_first", grid) for grid in (AUTHORS, UNEVEN)]  # UNEVEN's steps: maxima capped
 FINE = {"ratio_upper_step": 1e-4, "ratio_upper_start": 1.0}  # 10,000 steps to 2.0, the most
 
 
