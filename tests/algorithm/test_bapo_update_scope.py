@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
+import yaml
 
 from trinity.algorithm.policy_loss_fn.bapo_policy_loss import BAPOPolicyLossFn
 from trinity.common.config import AlgorithmConfig, Config
@@ -46,7 +47,8 @@ except ImportError:  # verl < 0.8, Trinity's legacy stack, has no engine
 WORLD = 2
 TIMEOUT = 300  # seconds for the whole two-rank run, start-up included (a loaded machine)
 PROMPT_LEN = 2
-ARGS = {"search_scope": "update"}  # the paper's settings otherwise
+# the paper's settings otherwise; read as a config file's, not the interned literal the code has
+ARGS = yaml.safe_load("search_scope: update")
 SHAPES = {0: ((4, 40), 0.5, 2), 1: ((2, 3), 0.8, 1)}  # rank: shape, share of A > 0, rows per call
 
 
@@ -302,19 +304,32 @@ class BAPOUpdateScopeConfigTest(unittest.TestCase):
             BAPOPolicyLossFn(search_scope="step")
 
     def setUp(self):
-        """A tiny model without dropout, and one whose config.json sets attention dropout."""
+        """A tiny model without dropout, and one whose config.json sets attention dropout.
+
+        The plain one leaves classifier_dropout unset (null), as many config.json files do.
+        """
         folder = tempfile.TemporaryDirectory()
         self.addCleanup(folder.cleanup)
-        self.plain = tiny_model(Path(folder.name) / "plain", attention_dropout=0.0)
+        self.plain = tiny_model(
+            Path(folder.name) / "plain", attention_dropout=0.0, classifier_dropout=None
+        )
         self.dropout = tiny_model(Path(folder.name) / "dropout", attention_dropout=0.1)
 
     def test_the_validator_refuses_update_where_the_pass_would_differ(self):
-        """Each refusal names its setting; the default config and zero settings pass."""
+        """Each refusal names its setting; the default config and zero settings pass.
+
+        So do the scope left unwritten, router replay other than R2, and a setting named like
+        dropout that is no number (verl's LoRA `dropout_position`).
+        """
         plain, override = self.plain, {"override_config": {"attention_dropout": 0.0}}
         validate(offline_config(plain, ARGS))
         validate(offline_config(plain, ARGS, model=override))
         validate(offline_config(self.dropout, ARGS, model=override))  # the override holds
         validate(offline_config(self.dropout, {"search_scope": "micro_batch"}))
+        validate(offline_config(self.dropout, {"clip_ratio_c": 3.0}))
+        for mode in ("disabled", "R3"):
+            validate(offline_config(plain, ARGS, actor={"router_replay": {"mode": mode}}))
+        validate(offline_config(plain, ARGS, model={"lora": {"dropout_position": "pre"}}))
         refused = [  # (the config's setting, what the message names)
             (offline_config(plain, ARGS, "megatron"), "trainer.trainer_strategy: megatron"),
             (offline_config(self.dropout, ARGS), f"config.json of `{self.dropout}` sets "),

@@ -11,6 +11,8 @@ refuses, fails at validation with a ValueError naming it.
 import unittest
 from unittest import mock
 
+import yaml
+
 from trinity.algorithm import POLICY_LOSS_FN
 from trinity.algorithm.policy_loss_fn.ppo_policy_loss import PPOPolicyLossFn
 from trinity.common.config import Config, ExperienceBufferConfig
@@ -24,7 +26,13 @@ def validated(preset="grpo", loss_agg_mode=None, loss_args=None, policy_loss_fn=
     """Run the algorithm validator on a config with only these algorithm fields written.
 
     ``trainer``: ``tinker`` (``model.tinker.enable``) or ``trainer_type``, the trainer's choice.
+    The fields pass through YAML, so their strings are read at run time as a config file's are,
+    not the literals the validator compares them with.
     """
+    fields = [preset, loss_agg_mode, loss_args, policy_loss_fn, trainer]
+    preset, loss_agg_mode, loss_args, policy_loss_fn, trainer = yaml.safe_load(
+        yaml.safe_dump(fields)
+    )
     config = Config()
     config.model.tinker.enable = trainer.get("tinker", False)
     config.trainer.trainer_type = trainer.get("trainer_type", "verl")
@@ -59,12 +67,11 @@ class PolicyLossArgsConfigTest(unittest.TestCase):
         self.assertEqual(len([line for line in lines if MODE in line]), 1, lines)
 
     def test_two_different_modes_written_are_refused_naming_both(self):
-        """0.6.0 let the algorithm's win without a word; the same mode twice is no conflict."""
-        both = dict(
-            loss_agg_mode="token-mean", loss_args={"clip_range": 0.2, "loss_agg_mode": MODE}
-        )
-        with self.assertRaisesRegex(ValueError, f"is token-mean but .*loss_agg_mode` is {MODE}"):
-            validated(**both)
+        """Either one in either place (0.6.0 let the algorithm's win); the same twice is fine."""
+        for first, second in (("token-mean", MODE), (MODE, "token-mean")):
+            both = dict(loss_agg_mode=first, loss_args={"clip_range": 0.2, "loss_agg_mode": second})
+            with self.assertRaisesRegex(ValueError, f"is {first} but .*loss_agg_mode` is {second}"):
+                validated(**both)
         same = validated(loss_agg_mode=MODE, loss_args={"clip_range": 0.2, "loss_agg_mode": MODE})
         self.assertEqual(same.algorithm.policy_loss_fn_args["loss_agg_mode"], MODE)
 
@@ -76,8 +83,9 @@ class PolicyLossArgsConfigTest(unittest.TestCase):
         self.assertNotIn("loss_agg_mode", args)  # GSPOPolicyLossFn's seq-mean-token-mean
 
     def test_an_unknown_key_of_every_policy_loss_fails_naming_it_and_the_known_keys(self):
-        """A typo, and `backend`, which the trainer passes itself."""
+        """A typo, and `backend`, which the trainer passes itself; the loss's own keys pass."""
         for name in LOSSES:
+            validated(policy_loss_fn=name, loss_args=POLICY_LOSS_FN.get(name).default_args())
             for key in ("clip_rnage", "backend"):
                 args = {**POLICY_LOSS_FN.get(name).default_args(), key: 0.2}
                 with self.assertRaisesRegex(ValueError, f"`{name}`.*`{key}`") as raised:
