@@ -236,3 +236,25 @@ def test_ctrl_c_on_make_demo_ends_every_process_of_it_while_the_ranks_train(tmp_
     assert last == {"interrupted": True, "signal": "SIGINT"}, make.output()
     rows = (out / "ppo_clip_higher" / "metrics.jsonl").read_text().splitlines()
     assert 0 < len(rows) < 500 and git_status() == status  # it trained, and was cut short
+
+
+def test_a_launch_given_the_folder_above_a_live_one_is_refused_and_the_live_one_finishes(tmp_path):
+    live_out = tmp_path / "runs" / "inner"
+    live = Started([sys.executable, "-m", *LAUNCHERS["demo"], "--steps", "12", "--out", live_out])
+    try:
+        step = "[ppo_clip_higher] step 1/12 "
+        until(lambda: live.printed(step) or live.proc.poll() is not None, 600, "a step")
+        assert live.proc.poll() is None, live.output()
+        done = refused(LAUNCHERS["demo"], tmp_path / "runs")
+        code = live.end(600)
+    finally:
+        live.end(0)
+    assert done.returncode == 1 and done.stderr.splitlines() == [
+        f"{tmp_path / 'runs'} is not empty; --out takes a new or an empty folder, and nothing in "
+        "this one is touched"
+    ]
+    assert code == 0, live.output()
+    assert json.loads(live.lines[-1])["ranks_agree"] is True
+    for variant in ("ppo_clip_higher", "bapo_paper"):
+        rows = (live_out / variant / "metrics.jsonl").read_text().splitlines()
+        assert len(rows) == 12, variant  # every step of the live launch, after the refusal

@@ -43,8 +43,7 @@ def alone(batches):
     return [metrics["bapo_clip_low"], metrics["bapo_clip_high"]]
 
 
-# The loss's arguments, whether rank 0 has a NaN log-prob on a live token, and the dp_group
-# passed: WORLD, or a group of this rank alone
+# Each case: the loss's arguments, a NaN log-prob on rank 0, the dp_group (WORLD or the rank's)
 CASES = {
     "synced": ({}, False, "world"),
     "alone": ({"sync_across_dp": False}, False, "world"),

@@ -193,7 +193,8 @@ class BAPOPolicyLossFn(PolicyLossFn):
         # dtype: no r lies between. A tie r = c_k may go either way; a NaN A or r: P's first, NaN.
         bucket = below(r, self.lower, self.capped).add_(below(r, self.upper, self.capped))
         bucket = bucket.add_(a.sign().neg_().clamp_(min=0), alpha=half).nan_to_num_().long()
-        sums = [a.new_zeros(2 * half).index_add_(0, bucket, v) for v in (a.abs() * r, a.abs())]
+        weight = a.abs()
+        sums = [a.new_zeros(2 * half).index_add_(0, bucket, v) for v in (weight * r, weight)]
         (pos_ar, neg_ar), (pos_a, neg_a) = (v.view(2, half) for v in sums)  # by A's sign
         # Eq. 8 at each bound: P = sum_{A>0} A min(r, c_high), N = sum_{A<0} |A| max(r, c_low)
         positive = _at_most(pos_ar)[lows:] + r.new_tensor(c[lows:]) * _above(pos_a)[lows:]
