@@ -96,7 +96,7 @@ def wait_for(port: int, timeout_s: float = 120) -> None:
     raise TimeoutError(f"no cosmic-ray worker listens on port {port}")
 
 
-def session(pr: make_pr.PullRequest, root: Path, listen: Path) -> List[list]:
+def mutate_and_test(pr: make_pr.PullRequest, root: Path, listen: Path) -> List[list]:
     """Mutate the pull request's lines in ``root`` and test each mutant: cosmic-ray's records."""
     files = make_pr.git(root, "diff", "--name-only", "base", "--", "trinity/*.py").split()
     command, env = test_command(listen, pr), {**os.environ, **TEST_ENV}
@@ -106,7 +106,7 @@ def session(pr: make_pr.PullRequest, root: Path, listen: Path) -> List[list]:
     if unmutated.returncode != 0:
         raise RuntimeError(f"{pr.name}'s tests fail unmutated:\n{unmutated.stdout[-3000:]}")
     ports = [free_port() for _ in range(os.cpu_count() or 1)]
-    settings, records = config(root, files, command, ports), root / "session.sqlite"
+    settings, records = config(root, files, command, ports), root / "mutants.sqlite"
     cosmic = [str(BIN / "cosmic-ray")]
     subprocess.run([*cosmic, "init", settings, records], cwd=root, check=True)
     subprocess.run(
@@ -197,7 +197,7 @@ def main(names: List[str]) -> int:
                 assert server.process.poll() is None, "the pytest server stopped"
                 time.sleep(0.2)
             for name in names or prs:
-                records = session(prs[name], tree(prs[name], patches, WORK / name), listen)
+                records = mutate_and_test(prs[name], tree(prs[name], patches, WORK / name), listen)
                 found += mutants(name, records)
         finally:
             server.close()

@@ -176,7 +176,7 @@ def refused_launch(out: Path) -> dict:
 
 
 # A launcher's stand-in: it starts a process marked as start_ray marks a Ray's head, under the
-# folder argv[1], in a session of its own as that head runs, prints its PID, and waits
+# folder argv[1], leading a process group of its own as that head does, prints its PID, and waits
 LAUNCHER = (
     "import os, subprocess, sys, time; from pathlib import Path; "
     "from scripts.harness.ray_local import mark; "

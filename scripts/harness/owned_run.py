@@ -1,9 +1,9 @@
 """Every launcher's lifecycle: it owns each process it starts, and a signal ends them all, then it.
 
 ``owned_run()`` wraps the work of ``make demo``, ``experiment``, ``sensitivity``, ``bench`` and
-``trinity-run`` (both modes). torchrun, Ray and ``trinity run`` run in sessions of their own, so
-a terminal's Ctrl-C (SIGINT to the foreground process group) reaches the launcher alone; it is the
-launcher that ends them:
+``trinity-run`` (both modes). torchrun, Ray and ``trinity run`` lead process groups of their own,
+so a terminal's Ctrl-C (SIGINT to the foreground process group) reaches the launcher alone; it is
+the launcher that ends them:
 
 - SIGINT, SIGTERM and SIGHUP get a handler first. Python runs it in the main thread, whatever the
   others do (a study trains from a thread pool, whose end would wait on its launches). It closes
